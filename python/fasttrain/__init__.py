@@ -1,0 +1,73 @@
+"""fasttrain: a faster drop-in for the Hugging Face ``transformers`` Trainer.
+
+``import fasttrain`` is cheap: the public names below are resolved on first use, so a script that only
+needs the collators does not pay for importing the Trainer, and one that never trains does not import
+triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (relative to this package)
+_EXPORTS: dict[str, str] = {
+    "Trainer": ".trainer",
+    "TrainingArguments": ".trainer",
+    "patch": ".patching",
+    "unpatch": ".patching",
+    "FusedAdamW": ".optim",
+    "fused_linear_cross_entropy": ".loss",
+    "DataCollatorWithPadding": ".data.collators",
+    "DataCollatorForLanguageModeling": ".data.collators",
+    "DataCollatorForSeq2Seq": ".data.collators",
+    "DataCollatorWithFlattening": ".data.collators",
+    "LengthGroupedSampler": ".data.sampler",
+    "DistributedLengthGroupedSampler": ".data.sampler",
+}
+
+__all__ = [
+    "DataCollatorForLanguageModeling",
+    "DataCollatorForSeq2Seq",
+    "DataCollatorWithFlattening",
+    "DataCollatorWithPadding",
+    "DistributedLengthGroupedSampler",
+    "FusedAdamW",
+    "LengthGroupedSampler",
+    "Trainer",
+    "TrainingArguments",
+    "__version__",
+    "fused_linear_cross_entropy",
+    "patch",
+    "unpatch",
+]
+assert set(__all__) == {*_EXPORTS, "__version__"}
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'fasttrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name, __name__), name)
+    globals()[name] = value  # resolve once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from .data.collators import (
+        DataCollatorForLanguageModeling,
+        DataCollatorForSeq2Seq,
+        DataCollatorWithFlattening,
+        DataCollatorWithPadding,
+    )
+    from .data.sampler import DistributedLengthGroupedSampler, LengthGroupedSampler
+    from .loss import fused_linear_cross_entropy
+    from .optim import FusedAdamW
+    from .patching import patch, unpatch
+    from .trainer import Trainer, TrainingArguments

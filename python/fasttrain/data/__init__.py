@@ -1,0 +1,1 @@
+"""Native (Rust) batching and sampling: drop-in collators and the length-grouped sampler."""
