@@ -1,0 +1,90 @@
+"""Tiny causal LMs, a local tokenizer and a prompt-masked dataset for Trainer-level tests (no hub access)."""
+
+from __future__ import annotations
+
+import random
+
+import datasets
+import tokenizers
+import torch
+import transformers
+
+VOCAB = 256
+
+
+def tokenizer(padding_side: str = "right") -> transformers.PreTrainedTokenizerFast:
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
+    fast.padding_side = padding_side
+    return fast
+
+
+def model(kind: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common)
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(**common, head_dim=8)
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def dataset(n: int = 48, seed: int = 0, min_len: int = 6, max_len: int = 40, with_length: bool = False):
+    """Token sequences of varied length whose first two tokens encode the row index (so a test can tell
+    which examples a batch holds) and whose labels mask a prompt of random length with -100."""
+    rng = random.Random(seed)
+    rows: dict[str, list] = {"input_ids": [], "attention_mask": [], "labels": []}
+    for i in range(n):
+        length = rng.randint(min_len, max_len)
+        ids = [2 + i // 200, 2 + i % 200] + [rng.randint(2, VOCAB - 1) for _ in range(length - 2)]
+        prompt = rng.randint(1, length - 2)
+        rows["input_ids"].append(ids)
+        rows["attention_mask"].append([1] * length)
+        rows["labels"].append([-100] * prompt + ids[prompt:])
+    if with_length:
+        rows["length"] = [len(x) for x in rows["input_ids"]]
+    return datasets.Dataset.from_dict(rows)
+
+
+def row_ids(input_ids: torch.Tensor) -> list[int]:
+    """Recover the row indices encoded by ``dataset`` from a right-padded batch."""
+    return [int(a - 2) * 200 + int(b - 2) for a, b in input_ids[:, :2].tolist()]
+
+
+def training_args(out: str, **overrides) -> transformers.TrainingArguments:
+    base = dict(
+        output_dir=out,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=6,
+        learning_rate=3e-3,
+        warmup_steps=1,
+        max_grad_norm=0.5,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    base.update(overrides)
+    return transformers.TrainingArguments(**base)
+
+
+def step_logs(trainer: transformers.Trainer) -> list[dict]:
+    return [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]

@@ -1,0 +1,100 @@
+"""A training run in its own process, for tests that kill it or launch it distributed.
+
+usage: python -m tests.support.train_script OUT_DIR [--trainer fasttrain|reference] [--kill-at-save STEP]
+       [--max-steps N] [--save-steps N] [--resume CKPT] [--group-by-length] [--record]
+
+Writes OUT_DIR/result-rank{R}.json: per-step loss and grad_norm, the rows each rank trained on per epoch
+(--record), a checksum of the final weights, and the hot-path status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import fasttrain
+from tests.support import tiny
+
+
+class KillAtSave(transformers.TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def recording(base):
+    class Recording(base):
+        rows_by_epoch: dict[int, list[int]]
+
+        def training_step(self, model, inputs, *args, **kwargs):
+            epoch = int(self.state.epoch or 0)
+            self.rows_by_epoch.setdefault(epoch, []).extend(tiny.row_ids(inputs["input_ids"]))
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    return Recording
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--trainer", default="fasttrain", choices=["fasttrain", "reference"])
+    p.add_argument("--kill-at-save", type=int)
+    p.add_argument("--max-steps", type=int, default=6)
+    p.add_argument("--epochs", type=float)
+    p.add_argument("--save-steps", type=int, default=0)
+    p.add_argument("--resume")
+    p.add_argument("--group-by-length", action="store_true")
+    p.add_argument("--rows", type=int, default=48)
+    a = p.parse_args()
+
+    base = fasttrain.Trainer if a.trainer == "fasttrain" else transformers.Trainer
+    cls = recording(base)
+    tok = tiny.tokenizer()
+    overrides = dict(
+        max_steps=a.max_steps if a.epochs is None else -1,
+        num_train_epochs=a.epochs or 1,
+        save_strategy="steps" if a.save_steps else "no",
+        save_steps=a.save_steps or 500,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+    )
+    if a.group_by_length:
+        overrides["train_sampling_strategy"] = "group_by_length"
+    trainer = cls(
+        model=tiny.model("llama"),
+        args=tiny.training_args(a.out, **overrides),
+        train_dataset=tiny.dataset(n=a.rows, with_length=True),
+        data_collator=transformers.DataCollatorForSeq2Seq(tok, padding=True),
+        processing_class=tok,
+        callbacks=[KillAtSave(a.kill_at_save)] if a.kill_at_save else None,
+    )
+    trainer.rows_by_epoch = {}
+    trainer.train(resume_from_checkpoint=a.resume)
+    rank = trainer.args.process_index
+    weights = {n: p.detach().double().sum().item() for n, p in trainer.model.named_parameters()}
+    result = {
+        "logs": tiny.step_logs(trainer),
+        "rows_by_epoch": trainer.rows_by_epoch,
+        "weights": weights,
+        "status": getattr(trainer, "fasttrain_status", {}),
+        "world_size": trainer.args.world_size,
+    }
+    Path(a.out, f"result-rank{rank}.json").write_text(json.dumps(result))
+    torch.save(trainer.model.state_dict(), Path(a.out, f"final-rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()

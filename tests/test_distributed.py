@@ -1,0 +1,70 @@
+"""DDP through Accelerate as it is: two processes on gloo (CPU), launched by torchrun and by accelerate.
+
+Under group_by_length every example is trained on exactly once per epoch across the ranks, both ranks end
+on identical weights, and the per-step losses equal those of the reference Trainer's DDP run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = 48  # a multiple of world size x per-device batch: no padding of the last batch across ranks
+EPOCHS = 2
+
+
+def _launch(launcher: list[str], out: Path, trainer: str) -> list[dict]:
+    """``launcher`` ends with what runs the training script (a module for torchrun, a path for accelerate)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [*launcher, str(out), "--trainer", trainer, "--group-by-length", "--epochs", str(EPOCHS),
+           "--rows", str(ROWS)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(2)]
+
+
+def _torchrun() -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+            "-m", "tests.support.train_script"]
+
+
+def _check(results: list[dict], reference: list[dict] | None) -> None:
+    assert [r["world_size"] for r in results] == [2, 2]
+    for epoch in range(EPOCHS):
+        seen = [row for r in results for row in r["rows_by_epoch"][str(epoch)]]
+        assert sorted(seen) == list(range(ROWS)), f"epoch {epoch}: rows seen {sorted(seen)}"
+    assert results[0]["weights"] == results[1]["weights"], "ranks ended on different weights"
+    assert results[0]["status"]["sampler"] == "on", results[0]["status"]
+    assert results[0]["status"]["optimizer"] == "on", results[0]["status"]
+    if reference is not None:
+        ours, ref = results[0]["logs"], reference[0]["logs"]
+        assert len(ours) == len(ref) > 0
+        for a, b in zip(ref, ours, strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    return _launch(_torchrun(), tmp_path_factory.mktemp("ref"), "reference")
+
+
+def test_ddp_torchrun(tmp_path, reference_run):
+    _check(_launch(_torchrun(), tmp_path, "fasttrain"), reference_run)
+
+
+def test_ddp_accelerate_launch(tmp_path, reference_run):
+    accelerate = shutil.which("accelerate") or str(Path(sys.executable).with_name("accelerate"))
+    launcher = [accelerate, "launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
+                str(ROOT / "tests" / "support" / "train_script.py")]
+    _check(_launch(launcher, tmp_path, "fasttrain"), reference_run)
