@@ -13,10 +13,12 @@ VOCAB = 256
 
 
 def tokenizer(padding_side: str = "right") -> transformers.PreTrainedTokenizerFast:
-    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[EOS]": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]"
+    )
     fast.padding_side = padding_side
     return fast
 
@@ -88,3 +90,19 @@ def training_args(out: str, **overrides) -> transformers.TrainingArguments:
 
 def step_logs(trainer: transformers.Trainer) -> list[dict]:
     return [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+
+
+def text_dataset(n: int = 24, seed: int = 0):
+    """Plain-text rows (``text``) and preference rows (``prompt``/``chosen``/``rejected``) for TRL."""
+    rng = random.Random(seed)
+
+    def words(k: int) -> str:
+        return " ".join(f"t{rng.randint(3, VOCAB - 1)}" for _ in range(k))
+
+    rows = {"text": [], "prompt": [], "chosen": [], "rejected": []}
+    for _ in range(n):
+        rows["text"].append(words(rng.randint(5, 30)))
+        rows["prompt"].append(words(rng.randint(3, 8)))
+        rows["chosen"].append(words(rng.randint(2, 8)))
+        rows["rejected"].append(words(rng.randint(2, 8)))
+    return datasets.Dataset.from_dict(rows)
