@@ -39,6 +39,7 @@ def _torchrun() -> list[str]:
 
 def _check(results: list[dict], reference: list[dict] | None) -> None:
     assert [r["world_size"] for r in results] == [2, 2]
+    assert results[0]["distributed_type"] == "DistributedType.MULTI_CPU"
     for epoch in range(EPOCHS):
         seen = [row for r in results for row in r["rows_by_epoch"][str(epoch)]]
         assert sorted(seen) == list(range(ROWS)), f"epoch {epoch}: rows seen {sorted(seen)}"

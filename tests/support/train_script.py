@@ -91,6 +91,7 @@ def main() -> None:
         "weights": weights,
         "status": getattr(trainer, "fasttrain_status", {}),
         "world_size": trainer.args.world_size,
+        "distributed_type": str(trainer.accelerator.distributed_type),
     }
     Path(a.out, f"result-rank{rank}.json").write_text(json.dumps(result))
     torch.save(trainer.model.state_dict(), Path(a.out, f"final-rank{rank}.pt"))
