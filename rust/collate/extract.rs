@@ -185,8 +185,9 @@ fn read_array(array: &Bound<'_, PyUntypedArray>, out: &mut Ragged, index: usize,
         ($($t:ty),*) => {$(
             if let Ok(typed) = array.cast::<PyArray1<$t>>() {
                 let ro = typed.try_readonly().map_err(|e| DataError::value(format!("example {index}: '{key}': {e}")))?;
+                out.reserve(ro.len());
                 match ro.as_slice() {
-                    Ok(slice) => for &v in slice { out.push_value(to_i64(v, index, key)?) },
+                    Ok(slice) => extend_from(out, slice, index, key)?,
                     Err(_) => for &v in ro.as_array().iter() { out.push_value(to_i64(v, index, key)?) },
                 }
                 return Ok(());
@@ -204,11 +205,25 @@ fn read_array(array: &Bound<'_, PyUntypedArray>, out: &mut Ragged, index: usize,
 /// Lossless conversion to i64 (only u64 can fail).
 trait ToI64: Copy {
     fn to_i64(self) -> Option<i64>;
+    /// Appends the whole slice when no conversion is needed (int64: a memcpy); false otherwise.
+    fn extend_exact(_out: &mut Ragged, _slice: &[Self]) -> bool {
+        false
+    }
 }
 macro_rules! to_i64_from {
     ($($t:ty),*) => {$( impl ToI64 for $t { #[inline] fn to_i64(self) -> Option<i64> { i64::try_from(self).ok() } } )*};
 }
-to_i64_from!(i64, i32, i16, i8, u8, u16, u32, u64);
+to_i64_from!(i32, i16, i8, u8, u16, u32, u64);
+impl ToI64 for i64 {
+    #[inline]
+    fn to_i64(self) -> Option<i64> {
+        Some(self)
+    }
+    fn extend_exact(out: &mut Ragged, slice: &[i64]) -> bool {
+        out.extend_from_slice(slice);
+        true
+    }
+}
 impl ToI64 for bool {
     #[inline]
     fn to_i64(self) -> Option<i64> {
@@ -219,6 +234,17 @@ impl ToI64 for bool {
 #[inline]
 fn to_i64<T: ToI64 + std::fmt::Display>(v: T, index: usize, key: &str) -> Result<i64, DataError> {
     v.to_i64().ok_or_else(|| DataError::value(format!("example {index}: '{key}' holds {v}, outside the int64 range")))
+}
+
+/// Appends a contiguous buffer of any integer dtype.
+fn extend_from<T: ToI64 + std::fmt::Display>(out: &mut Ragged, slice: &[T], index: usize, key: &str) -> Result<(), DataError> {
+    if T::extend_exact(out, slice) {
+        return Ok(());
+    }
+    for &v in slice {
+        out.push_value(to_i64(v, index, key)?);
+    }
+    Ok(())
 }
 
 static TORCH_TENSOR: PyOnceLock<Py<PyType>> = PyOnceLock::new();

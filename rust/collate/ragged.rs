@@ -49,6 +49,11 @@ impl Ragged {
         self.values.push(value);
     }
 
+    /// Appends values to the row being built.
+    pub fn extend_from_slice(&mut self, values: &[i64]) {
+        self.values.extend_from_slice(values);
+    }
+
     pub fn reserve(&mut self, additional: usize) {
         self.values.reserve(additional);
     }

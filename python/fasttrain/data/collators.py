@@ -131,6 +131,9 @@ def _pad(
     strategy, _, max_length, _ = tokenizer._get_padding_truncation_strategies(
         padding=padding, max_length=max_length, verbose=True
     )
+    if return_tensors == "np" and strategy != PaddingStrategy.LONGEST:
+        _refuse_ragged_numpy(features, main, max_length if strategy == PaddingStrategy.MAX_LENGTH else None,
+                             pad_to_multiple_of)
     return_attention_mask = "attention_mask" in tokenizer.model_input_names
     keys = [k for k in first.keys() if k != exclude]
 
@@ -168,6 +171,17 @@ def _pad(
     if make_mask:
         out["attention_mask"] = padded["attention_mask"]
     return out
+
+
+def _refuse_ragged_numpy(features: list, main: str, max_length: int | None, multiple: int | None) -> None:
+    """With return_tensors="np", transformers returns a ragged batch as object arrays (by design).
+    That layout is transformers' to build: such a batch is handed over."""
+    target = max_length
+    if target is not None and multiple and target % multiple:
+        target = (target // multiple + 1) * multiple
+    lengths = {len(v) if target is None else max(len(v), target) for v in _column(features, main)}
+    if len(lengths) > 1:
+        raise _HandOver("a ragged batch with return_tensors='np' (object arrays)")
 
 
 def _tensors(batch: dict[str, Any], return_tensors: str, keys: Any = None) -> dict[str, Any]:
