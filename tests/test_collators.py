@@ -44,7 +44,7 @@ def make_tokenizer(padding_side: str = "right", pad: bool = True, token_type_ids
 def assert_same(ours, ref) -> None:
     assert type(ours) is type(ref)
     assert list(ours.keys()) == list(ref.keys())
-    for key in ref.keys():
+    for key in ref:
         a, b = ours[key], ref[key]
         assert type(a) is type(b), key
         if isinstance(b, torch.Tensor):
@@ -53,7 +53,9 @@ def assert_same(ours, ref) -> None:
         elif isinstance(b, np.ndarray):
             assert (a.dtype, a.shape) == (b.dtype, b.shape), key
             if b.dtype == object:  # transformers' ragged numpy batches
-                assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a, b, strict=True)), key
+                assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a, b, strict=True)), (
+                    key
+                )
             else:
                 assert np.array_equal(a, b), key
         else:
@@ -81,8 +83,10 @@ def run_both(ours, ref, features, **kwargs):
 
 def reference_dropped_tokens(features, expected) -> bool:
     total = sum(len(f["input_ids"]) for f in features)
-    return expected["input_ids"].size < total if isinstance(expected["input_ids"], np.ndarray) else (
-        expected["input_ids"].numel() < total
+    return (
+        expected["input_ids"].size < total
+        if isinstance(expected["input_ids"], np.ndarray)
+        else (expected["input_ids"].numel() < total)
     )
 
 
@@ -121,7 +125,9 @@ def padded_batches(draw, min_len: int = 0):
     """A batch of examples with the keys tokenizer.pad knows, plus an unpadded label."""
     n = draw(st.integers(1, 6))
     container = draw(CONTAINERS)
-    extras = draw(st.sets(st.sampled_from(["attention_mask", "token_type_ids", "special_tokens_mask", "label"])))
+    extras = draw(
+        st.sets(st.sampled_from(["attention_mask", "token_type_ids", "special_tokens_mask", "label"]))
+    )
     features = []
     for _ in range(n):
         ids = draw(st.lists(token, min_size=min_len, max_size=12))
@@ -147,8 +153,15 @@ tensors = st.sampled_from(["pt", "np"])
 @given(padded_batches(), paddings, max_lengths, multiples, sides, tensors, st.booleans())
 def test_with_padding_matches_transformers(features, padding, max_length, multiple, side, rt, token_types):
     tok = make_tokenizer(side, token_type_ids=token_types)
-    args = {"padding": padding, "max_length": max_length, "pad_to_multiple_of": multiple, "return_tensors": rt}
-    run_both(ft.DataCollatorWithPadding(tok, **args), transformers.DataCollatorWithPadding(tok, **args), features)
+    args = {
+        "padding": padding,
+        "max_length": max_length,
+        "pad_to_multiple_of": multiple,
+        "return_tensors": rt,
+    }
+    run_both(
+        ft.DataCollatorWithPadding(tok, **args), transformers.DataCollatorWithPadding(tok, **args), features
+    )
 
 
 @SETTINGS
@@ -186,7 +199,9 @@ def test_seq2seq_matches_transformers(features, padding, max_length, multiple, s
         "label_pad_token_id": label_pad,
         "return_tensors": rt,
     }
-    run_both(ft.DataCollatorForSeq2Seq(tok, **args), transformers.DataCollatorForSeq2Seq(tok, **args), features)
+    run_both(
+        ft.DataCollatorForSeq2Seq(tok, **args), transformers.DataCollatorForSeq2Seq(tok, **args), features
+    )
 
 
 class ShiftRightModel:
@@ -262,7 +277,9 @@ def test_flattening_matches_transformers(features, pos, flash, seq_idx, sep, sta
 
 
 def test_flattening_cu_seq_lens_are_not_aliased():
-    batch = ft.DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": [5, 6]}, {"input_ids": [7]}])
+    batch = ft.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+        [{"input_ids": [5, 6]}, {"input_ids": [7]}]
+    )
     batch["cu_seq_lens_q"][0] = 99
     assert batch["cu_seq_lens_k"][0] == 0
 
@@ -370,7 +387,9 @@ def test_native_equivalent():
     tok = make_tokenizer("left")
     pairs = [
         transformers.DataCollatorWithPadding(tok, padding="max_length", max_length=9, pad_to_multiple_of=4),
-        transformers.DataCollatorForLanguageModeling(tok, mlm=False, pad_to_multiple_of=8, return_tensors="np"),
+        transformers.DataCollatorForLanguageModeling(
+            tok, mlm=False, pad_to_multiple_of=8, return_tensors="np"
+        ),
         transformers.DataCollatorForSeq2Seq(tok, label_pad_token_id=0, pad_to_multiple_of=2),
         transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, separator_id=7),
     ]

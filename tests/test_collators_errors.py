@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_collators import make_tokenizer
 
 from fasttrain.data import collators as ft
+from test_collators import make_tokenizer
 
 
 def padding_collators():
@@ -107,7 +107,9 @@ def test_lengths_that_disagree(which, key):
         [{"input_ids": [5, 6, 7], key: [1, 1, 1]}, {"input_ids": [5, 6], key: [1, 1, 1]}],
         [{"input_ids": [5, 6], key: [1, 1, 1]}],
     ):
-        with pytest.raises(ValueError, match=rf"example \d: '{key}' has length 3 but 'input_ids' has length 2"):
+        with pytest.raises(
+            ValueError, match=rf"example \d: '{key}' has length 3 but 'input_ids' has length 2"
+        ):
             padding_collators()[which](features)
 
 
@@ -139,9 +141,13 @@ def test_no_padding_ragged_and_too_long():
     ragged = [{"input_ids": [5, 6]}, {"input_ids": [5, 6, 7]}]
     with pytest.raises(ValueError, match=r"example 1: 'input_ids' has length 3 but example 0 has length 2"):
         ft.DataCollatorWithPadding(tok, padding=False)(ragged)
-    with pytest.raises(ValueError, match=r"example 1: 'input_ids' has length 3, longer than the padding length 2"):
+    with pytest.raises(
+        ValueError, match=r"example 1: 'input_ids' has length 3, longer than the padding length 2"
+    ):
         ft.DataCollatorWithPadding(tok, padding="max_length", max_length=2)(ragged)
-    with pytest.raises(ValueError, match=r"example 1: 'labels' has length 3, longer than the padding length 2"):
+    with pytest.raises(
+        ValueError, match=r"example 1: 'labels' has length 3, longer than the padding length 2"
+    ):
         ft.DataCollatorForSeq2Seq(tok, padding="max_length", max_length=2)(
             [{"input_ids": [5], "labels": [5, 6]}, {"input_ids": [5], "labels": [5, 6, 7]}]
         )

@@ -8,15 +8,18 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from test_collators import assert_same, clone, make_tokenizer
 
 from fasttrain.data import collators as ft
+from test_collators import assert_same, clone, make_tokenizer
 
 
 def pairs():
     tok = make_tokenizer("left")
     return [
-        (ft.DataCollatorWithPadding(tok, pad_to_multiple_of=8), transformers.DataCollatorWithPadding(tok, pad_to_multiple_of=8)),
+        (
+            ft.DataCollatorWithPadding(tok, pad_to_multiple_of=8),
+            transformers.DataCollatorWithPadding(tok, pad_to_multiple_of=8),
+        ),
         (
             ft.DataCollatorForLanguageModeling(tok, mlm=False),
             transformers.DataCollatorForLanguageModeling(tok, mlm=False),

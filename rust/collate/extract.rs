@@ -39,22 +39,37 @@ pub(crate) fn lookup<'py>(
 }
 
 /// Whether example `index` has `key` (dicts and mappings).
-pub(crate) fn has_key(example: &Bound<'_, PyAny>, key: &Bound<'_, PyString>, index: usize) -> PyResult<bool> {
+pub(crate) fn has_key(
+    example: &Bound<'_, PyAny>,
+    key: &Bound<'_, PyString>,
+    index: usize,
+) -> PyResult<bool> {
     if let Ok(dict) = example.cast::<PyDict>() {
         return dict.contains(key);
     }
     example.contains(key).map_err(|_| {
-        DataError::type_(format!("example {index} is a {}, expected a mapping (dict) of features", type_name(example)))
-            .into()
+        DataError::type_(format!(
+            "example {index} is a {}, expected a mapping (dict) of features",
+            type_name(example)
+        ))
+        .into()
     })
 }
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "object".into())
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "object".into())
 }
 
 /// Appends `value` (a flat sequence of token ids) as one row of `out`.
-pub(crate) fn read_row(value: &Bound<'_, PyAny>, out: &mut Ragged, index: usize, key: &str) -> PyResult<()> {
+pub(crate) fn read_row(
+    value: &Bound<'_, PyAny>,
+    out: &mut Ragged,
+    index: usize,
+    key: &str,
+) -> PyResult<()> {
     let read = if let Ok(list) = value.cast::<PyList>() {
         read_list(list, out, index, key)
     } else if let Ok(tuple) = value.cast::<PyTuple>() {
@@ -119,7 +134,12 @@ unsafe fn exact_int_at(list: &Bound<'_, PyList>, pos: usize) -> Option<i64> {
     Some(v)
 }
 
-fn read_tuple(tuple: &Bound<'_, PyTuple>, out: &mut Ragged, index: usize, key: &str) -> PyResult<()> {
+fn read_tuple(
+    tuple: &Bound<'_, PyTuple>,
+    out: &mut Ragged,
+    index: usize,
+    key: &str,
+) -> PyResult<()> {
     out.reserve(tuple.len());
     for (pos, item) in tuple.iter().enumerate() {
         out.push_value(read_item(&item, index, key, pos)?);
@@ -132,12 +152,25 @@ fn read_tuple(tuple: &Bound<'_, PyTuple>, out: &mut Ragged, index: usize, key: &
 fn read_item(item: &Bound<'_, PyAny>, index: usize, key: &str, pos: usize) -> PyResult<i64> {
     let here = || format!("example {index}: '{key}'[{pos}]");
     if item.is_instance_of::<PyFloat>() {
-        return Err(DataError::type_(format!("{} is a float ({}); token ids must be integers", here(), repr(item))).into());
+        return Err(DataError::type_(format!(
+            "{} is a float ({}); token ids must be integers",
+            here(),
+            repr(item)
+        ))
+        .into());
     }
     if item.is_instance_of::<PyString>() {
-        return Err(DataError::type_(format!("{} is a str ({}); token ids must be integers", here(), repr(item))).into());
+        return Err(DataError::type_(format!(
+            "{} is a str ({}); token ids must be integers",
+            here(),
+            repr(item)
+        ))
+        .into());
     }
-    if item.is_instance_of::<PyList>() || item.is_instance_of::<PyTuple>() || item.cast::<PyUntypedArray>().is_ok() {
+    if item.is_instance_of::<PyList>()
+        || item.is_instance_of::<PyTuple>()
+        || item.cast::<PyUntypedArray>().is_ok()
+    {
         return Err(DataError::type_(format!(
             "{} is a nested sequence; '{key}' must be a flat sequence of token ids",
             here()
@@ -149,9 +182,12 @@ fn read_item(item: &Bound<'_, PyAny>, index: usize, key: &str, pos: usize) -> Py
     }
     match item.extract::<i64>() {
         Ok(v) => Ok(v),
-        Err(e) if e.is_instance_of::<PyOverflowError>(item.py()) => {
-            Err(DataError::value(format!("{} = {} is outside the int64 range", here(), repr(item))).into())
-        }
+        Err(e) if e.is_instance_of::<PyOverflowError>(item.py()) => Err(DataError::value(format!(
+            "{} = {} is outside the int64 range",
+            here(),
+            repr(item)
+        ))
+        .into()),
         Err(_) => Err(DataError::type_(format!(
             "{} is a {} ({}); token ids must be integers",
             here(),
@@ -163,7 +199,10 @@ fn read_item(item: &Bound<'_, PyAny>, index: usize, key: &str, pos: usize) -> Py
 }
 
 fn repr(obj: &Bound<'_, PyAny>) -> String {
-    let mut s = obj.repr().map(|r| r.to_string()).unwrap_or_else(|_| "?".into());
+    let mut s = obj
+        .repr()
+        .map(|r| r.to_string())
+        .unwrap_or_else(|_| "?".into());
     if s.len() > 40 {
         s.truncate(s.char_indices().nth(40).map_or(s.len(), |(i, _)| i));
         s.push_str("...");
@@ -173,7 +212,12 @@ fn repr(obj: &Bound<'_, PyAny>) -> String {
 
 /// Copies an integer (or bool) numpy array. Floats are refused: a float among token ids is a bug
 /// upstream, and transformers would silently return a float tensor.
-fn read_array(array: &Bound<'_, PyUntypedArray>, out: &mut Ragged, index: usize, key: &str) -> PyResult<()> {
+fn read_array(
+    array: &Bound<'_, PyUntypedArray>,
+    out: &mut Ragged,
+    index: usize,
+    key: &str,
+) -> PyResult<()> {
     if array.ndim() != 1 {
         return Err(DataError::type_(format!(
             "example {index}: '{key}' is a {}-d array; expected a flat (1-d) sequence of token ids",
@@ -233,11 +277,20 @@ impl ToI64 for bool {
 
 #[inline]
 fn to_i64<T: ToI64 + std::fmt::Display>(v: T, index: usize, key: &str) -> Result<i64, DataError> {
-    v.to_i64().ok_or_else(|| DataError::value(format!("example {index}: '{key}' holds {v}, outside the int64 range")))
+    v.to_i64().ok_or_else(|| {
+        DataError::value(format!(
+            "example {index}: '{key}' holds {v}, outside the int64 range"
+        ))
+    })
 }
 
 /// Appends a contiguous buffer of any integer dtype.
-fn extend_from<T: ToI64 + std::fmt::Display>(out: &mut Ragged, slice: &[T], index: usize, key: &str) -> Result<(), DataError> {
+fn extend_from<T: ToI64 + std::fmt::Display>(
+    out: &mut Ragged,
+    slice: &[T],
+    index: usize,
+    key: &str,
+) -> Result<(), DataError> {
     if T::extend_exact(out, slice) {
         return Ok(());
     }
@@ -262,15 +315,24 @@ fn is_torch_tensor(value: &Bound<'_, PyAny>) -> PyResult<bool> {
     value.is_instance(tensor)
 }
 
-fn read_tensor(value: &Bound<'_, PyAny>, out: &mut Ragged, index: usize, key: &str) -> PyResult<()> {
+fn read_tensor(
+    value: &Bound<'_, PyAny>,
+    out: &mut Ragged,
+    index: usize,
+    key: &str,
+) -> PyResult<()> {
     let py = value.py();
     let kwargs = PyDict::new(py);
     kwargs.set_item("force", true)?;
     let array = value.call_method("numpy", (), Some(&kwargs)).map_err(|e| {
-        DataError::type_(format!("example {index}: '{key}' is a tensor that cannot be read as token ids: {e}"))
+        DataError::type_(format!(
+            "example {index}: '{key}' is a tensor that cannot be read as token ids: {e}"
+        ))
     })?;
     let array = array.cast::<PyUntypedArray>().map_err(|_| {
-        DataError::type_(format!("example {index}: '{key}': Tensor.numpy() did not return an array"))
+        DataError::type_(format!(
+            "example {index}: '{key}': Tensor.numpy() did not return an array"
+        ))
     })?;
     read_array(array, out, index, key)
 }

@@ -75,9 +75,15 @@ pub fn flatten(
         let mut pos = Vec::with_capacity(total);
         for i in 0..n {
             let len = input_ids.row_len(i) as i64;
-            let last = spec.position_ids_start.checked_add(len - 1).ok_or_else(|| {
-                DataError::value(format!("position_ids_start {} overflows int64", spec.position_ids_start))
-            })?;
+            let last = spec
+                .position_ids_start
+                .checked_add(len - 1)
+                .ok_or_else(|| {
+                    DataError::value(format!(
+                        "position_ids_start {} overflows int64",
+                        spec.position_ids_start
+                    ))
+                })?;
             pos.extend(spec.position_ids_start..=last);
         }
         Some(pos)
@@ -115,7 +121,14 @@ pub fn flatten(
         None
     };
 
-    Ok(Flattened { input_ids: ids, labels: out_labels, position_ids, seq_idx, cu_seq_lens, max_length })
+    Ok(Flattened {
+        input_ids: ids,
+        labels: out_labels,
+        position_ids,
+        seq_idx,
+        cu_seq_lens,
+        max_length,
+    })
 }
 
 #[cfg(test)]
@@ -123,7 +136,13 @@ mod tests {
     use super::*;
 
     fn spec() -> FlattenSpec {
-        FlattenSpec { separator_id: -100, position_ids_start: 0, position_ids: true, seq_idx: true, flash_attn_kwargs: true }
+        FlattenSpec {
+            separator_id: -100,
+            position_ids_start: 0,
+            position_ids: true,
+            seq_idx: true,
+            flash_attn_kwargs: true,
+        }
     }
 
     #[test]
@@ -142,7 +161,13 @@ mod tests {
     fn flattens_with_labels_and_start() {
         let ids = Ragged::from_rows(&[vec![1, 2], vec![4]]);
         let labels = Ragged::from_rows(&[vec![9, 8], vec![]]);
-        let s = FlattenSpec { separator_id: 7, position_ids_start: 2, seq_idx: false, flash_attn_kwargs: false, ..spec() };
+        let s = FlattenSpec {
+            separator_id: 7,
+            position_ids_start: 2,
+            seq_idx: false,
+            flash_attn_kwargs: false,
+            ..spec()
+        };
         let f = flatten(&ids, Some(&labels), &[0, 3], &s).unwrap();
         assert_eq!(f.labels, vec![7, 8, 7]);
         assert_eq!(f.position_ids.unwrap(), vec![2, 3, 2]);
@@ -159,6 +184,9 @@ mod tests {
 
     #[test]
     fn empty_batch_is_an_error() {
-        assert!(matches!(flatten(&Ragged::new(), None, &[], &spec()), Err(DataError::Value(_))));
+        assert!(matches!(
+            flatten(&Ragged::new(), None, &[], &spec()),
+            Err(DataError::Value(_))
+        ));
     }
 }

@@ -46,11 +46,15 @@ pub struct Padded {
 fn round_up(length: usize, multiple: Option<usize>) -> DataResult<usize> {
     match multiple {
         None => Ok(length),
-        Some(0) => Err(DataError::value("pad_to_multiple_of must be a positive integer, got 0")),
+        Some(0) => Err(DataError::value(
+            "pad_to_multiple_of must be a positive integer, got 0",
+        )),
         Some(m) if length % m == 0 => Ok(length),
-        Some(m) => (length / m + 1)
-            .checked_mul(m)
-            .ok_or_else(|| DataError::value(format!("padded length overflows: {length} rounded up to a multiple of {m}"))),
+        Some(m) => (length / m + 1).checked_mul(m).ok_or_else(|| {
+            DataError::value(format!(
+                "padded length overflows: {length} rounded up to a multiple of {m}"
+            ))
+        }),
     }
 }
 
@@ -76,7 +80,11 @@ pub fn common_width(lengths: &[usize], spec: &PadSpec, key: &str) -> DataResult<
         if final_len(len) != width {
             return Err(match target {
                 Some(t) => {
-                    let (i, len) = lengths.iter().enumerate().find(|(_, &l)| l > t).map_or((i, len), |(j, &l)| (j, l));
+                    let (i, len) = lengths
+                        .iter()
+                        .enumerate()
+                        .find(|(_, &l)| l > t)
+                        .map_or((i, len), |(j, &l)| (j, l));
                     DataError::value(format!(
                         "example {i}: '{key}' has length {len}, longer than the padding length {t}; \
                          padding does not truncate (truncate when tokenizing or raise max_length)"
@@ -93,7 +101,13 @@ pub fn common_width(lengths: &[usize], spec: &PadSpec, key: &str) -> DataResult<
 }
 
 /// Pads every row of `rows` to `width` with `pad` on `side`.
-pub fn pad_rows(rows: &Ragged, width: usize, pad: i64, side: Side, key: &str) -> DataResult<Padded> {
+pub fn pad_rows(
+    rows: &Ragged,
+    width: usize,
+    pad: i64,
+    side: Side,
+    key: &str,
+) -> DataResult<Padded> {
     let n = rows.rows();
     let mut values = vec![pad; n * width];
     for i in 0..n {
@@ -104,10 +118,19 @@ pub fn pad_rows(rows: &Ragged, width: usize, pad: i64, side: Side, key: &str) ->
                 row.len()
             )));
         }
-        let start = i * width + if side == Side::Left { width - row.len() } else { 0 };
+        let start = i * width
+            + if side == Side::Left {
+                width - row.len()
+            } else {
+                0
+            };
         values[start..start + row.len()].copy_from_slice(row);
     }
-    Ok(Padded { values, rows: n, width })
+    Ok(Padded {
+        values,
+        rows: n,
+        width,
+    })
 }
 
 /// The attention mask transformers builds when the examples carry none: 1 on tokens, 0 on padding.
@@ -115,16 +138,27 @@ pub fn attention_mask(lengths: &[usize], width: usize, side: Side) -> DataResult
     let mut values = vec![0i64; lengths.len() * width];
     for (i, &len) in lengths.iter().enumerate() {
         if len > width {
-            return Err(DataError::value(format!("example {i}: length {len} is longer than the batch width {width}")));
+            return Err(DataError::value(format!(
+                "example {i}: length {len} is longer than the batch width {width}"
+            )));
         }
         let start = i * width + if side == Side::Left { width - len } else { 0 };
         values[start..start + len].fill(1);
     }
-    Ok(Padded { values, rows: lengths.len(), width })
+    Ok(Padded {
+        values,
+        rows: lengths.len(),
+        width,
+    })
 }
 
 /// Checks that a key padded alongside the main key has the same length in every example.
-pub fn check_same_lengths(main: &[usize], main_key: &str, other: &[usize], other_key: &str) -> DataResult<()> {
+pub fn check_same_lengths(
+    main: &[usize],
+    main_key: &str,
+    other: &[usize],
+    other_key: &str,
+) -> DataResult<()> {
     for (i, (&a, &b)) in main.iter().zip(other).enumerate() {
         if a != b {
             return Err(DataError::value(format!(
@@ -137,9 +171,16 @@ pub fn check_same_lengths(main: &[usize], main_key: &str, other: &[usize], other
 
 /// Causal-LM labels: a copy of `input_ids` with every value equal to the pad id set to
 /// `ignore_index` (by value, as transformers does: a real token equal to the pad id is ignored too).
-pub fn labels_from_ids(input_ids: &[i64], pad_token_id: Option<i64>, ignore_index: i64) -> Vec<i64> {
+pub fn labels_from_ids(
+    input_ids: &[i64],
+    pad_token_id: Option<i64>,
+    ignore_index: i64,
+) -> Vec<i64> {
     match pad_token_id {
-        Some(pad) => input_ids.iter().map(|&v| if v == pad { ignore_index } else { v }).collect(),
+        Some(pad) => input_ids
+            .iter()
+            .map(|&v| if v == pad { ignore_index } else { v })
+            .collect(),
         None => input_ids.to_vec(),
     }
 }
@@ -178,7 +219,10 @@ mod tests {
     #[test]
     fn zero_multiple_is_an_error() {
         let s = spec(PadTo::Longest, Some(0), Side::Right);
-        assert!(matches!(common_width(&[1], &s, "x"), Err(DataError::Value(_))));
+        assert!(matches!(
+            common_width(&[1], &s, "x"),
+            Err(DataError::Value(_))
+        ));
     }
 
     #[test]
@@ -188,7 +232,10 @@ mod tests {
         // all rows equally too long: no padding, one tensor (as transformers)
         assert_eq!(common_width(&[5, 5], &s, "ids").unwrap(), 5);
         let err = common_width(&[1, 5], &s, "ids").unwrap_err();
-        assert!(err.message().contains("example 1") && err.message().contains("'ids'"), "{err}");
+        assert!(
+            err.message().contains("example 1") && err.message().contains("'ids'"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -211,7 +258,10 @@ mod tests {
 
     #[test]
     fn lm_labels_mask_by_value() {
-        assert_eq!(labels_from_ids(&[5, 0, 7, 0], Some(0), -100), vec![5, -100, 7, -100]);
+        assert_eq!(
+            labels_from_ids(&[5, 0, 7, 0], Some(0), -100),
+            vec![5, -100, 7, -100]
+        );
         assert_eq!(labels_from_ids(&[5, 0], None, -100), vec![5, 0]);
     }
 }

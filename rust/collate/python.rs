@@ -10,7 +10,9 @@ use crate::errors::{DataError, DataResult};
 
 use super::extract::{has_key, lookup, read_row};
 use super::flatten::{flatten, FlattenSpec};
-use super::pad::{check_same_lengths, common_width, labels_from_ids, pad_rows, PadSpec, PadTo, Padded, Side};
+use super::pad::{
+    check_same_lengths, common_width, labels_from_ids, pad_rows, PadSpec, PadTo, Padded, Side,
+};
 use super::ragged::Ragged;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -20,7 +22,12 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-fn to_2d<'py, T: numpy::Element>(py: Python<'py>, values: Vec<T>, rows: usize, width: usize) -> PyResult<Bound<'py, PyArray2<T>>> {
+fn to_2d<'py, T: numpy::Element>(
+    py: Python<'py>,
+    values: Vec<T>,
+    rows: usize,
+    width: usize,
+) -> PyResult<Bound<'py, PyArray2<T>>> {
     PyArray1::from_vec(py, values).reshape([rows, width])
 }
 
@@ -28,26 +35,47 @@ fn padded_to_numpy<'py>(py: Python<'py>, p: Padded) -> PyResult<Bound<'py, PyArr
     to_2d(py, p.values, p.rows, p.width)
 }
 
-fn pad_spec(padding: &str, max_length: Option<i64>, pad_to_multiple_of: Option<i64>, padding_side: &str) -> DataResult<PadSpec> {
+fn pad_spec(
+    padding: &str,
+    max_length: Option<i64>,
+    pad_to_multiple_of: Option<i64>,
+    padding_side: &str,
+) -> DataResult<PadSpec> {
     let to = match padding {
         "longest" => PadTo::Longest,
         "do_not_pad" => PadTo::DoNotPad,
         "max_length" => match max_length {
             Some(m) if m >= 0 => PadTo::MaxLength(m as usize),
-            Some(m) => return Err(DataError::value(format!("max_length must be >= 0, got {m}"))),
+            Some(m) => {
+                return Err(DataError::value(format!(
+                    "max_length must be >= 0, got {m}"
+                )))
+            }
             None => return Err(DataError::value("padding='max_length' needs a max_length")),
         },
-        other => return Err(DataError::value(format!("unknown padding strategy {other:?}"))),
+        other => {
+            return Err(DataError::value(format!(
+                "unknown padding strategy {other:?}"
+            )))
+        }
     };
     let multiple = match pad_to_multiple_of {
         Some(m) if m > 0 => Some(m as usize),
-        Some(m) => return Err(DataError::value(format!("pad_to_multiple_of must be a positive integer, got {m}"))),
+        Some(m) => {
+            return Err(DataError::value(format!(
+                "pad_to_multiple_of must be a positive integer, got {m}"
+            )))
+        }
         None => None,
     };
     let side = match padding_side {
         "right" => Side::Right,
         "left" => Side::Left,
-        other => return Err(DataError::value(format!("padding_side must be 'left' or 'right', got {other:?}"))),
+        other => {
+            return Err(DataError::value(format!(
+                "padding_side must be 'left' or 'right', got {other:?}"
+            )))
+        }
     };
     Ok(PadSpec { to, multiple, side })
 }
@@ -97,10 +125,18 @@ fn pad_features<'py>(
             .zip(&keys)
             .map(|(column, (key, pad))| pad_rows(column, width, *pad, spec.side, key))
             .collect::<DataResult<Vec<_>>>()?;
-        let mask = if attention_mask { Some(super::pad::attention_mask(&main_lengths, width, spec.side)?) } else { None };
+        let mask = if attention_mask {
+            Some(super::pad::attention_mask(&main_lengths, width, spec.side)?)
+        } else {
+            None
+        };
         Ok((padded, mask))
     })?;
-    padded.into_iter().chain(mask).map(|p| padded_to_numpy(py, p)).collect()
+    padded
+        .into_iter()
+        .chain(mask)
+        .map(|p| padded_to_numpy(py, p))
+        .collect()
 }
 
 /// Causal-LM labels from padded `input_ids`: a copy with pad-id values set to -100.
@@ -173,7 +209,13 @@ fn flatten_features<'py>(
             read_row(&value, &mut labels, index, "labels")?;
         }
     }
-    let spec = FlattenSpec { separator_id, position_ids_start, position_ids, seq_idx, flash_attn_kwargs };
+    let spec = FlattenSpec {
+        separator_id,
+        position_ids_start,
+        position_ids,
+        seq_idx,
+        flash_attn_kwargs,
+    };
     let labels = has_labels.unwrap_or(false).then_some(&labels);
     let flat = py.detach(|| flatten(&ids, labels, &kept, &spec))?;
     let total = flat.input_ids.len();

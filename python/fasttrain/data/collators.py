@@ -132,10 +132,11 @@ def _pad(
         padding=padding, max_length=max_length, verbose=True
     )
     if return_tensors == "np" and strategy != PaddingStrategy.LONGEST:
-        _refuse_ragged_numpy(features, main, max_length if strategy == PaddingStrategy.MAX_LENGTH else None,
-                             pad_to_multiple_of)
+        _refuse_ragged_numpy(
+            features, main, max_length if strategy == PaddingStrategy.MAX_LENGTH else None, pad_to_multiple_of
+        )
     return_attention_mask = "attention_mask" in tokenizer.model_input_names
-    keys = [k for k in first.keys() if k != exclude]
+    keys = [k for k in first.keys() if k != exclude]  # noqa: SIM118 - .keys() as transformers (Mapping subclasses)
 
     pad_values = {main: tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0}
     if return_attention_mask:
@@ -331,7 +332,10 @@ class DataCollatorWithFlattening(hf.DataCollatorWithFlattening):
     """transformers' ``DataCollatorWithFlattening`` (padding-free batches), built in Rust."""
 
     def __call__(
-        self, features: list[dict[str, Any]], return_tensors: str | None = None, separator_id: int | None = None
+        self,
+        features: list[dict[str, Any]],
+        return_tensors: str | None = None,
+        separator_id: int | None = None,
     ) -> dict[str, Any]:
         if return_tensors is None:
             return_tensors = self.return_tensors
