@@ -1,0 +1,412 @@
+"""Parity of fasttrain's Rust collators with the transformers classes of the same name.
+
+Every comparison is byte-level: same return type, same keys in the same order, and for each value
+the same type, dtype, shape and values (``torch.equal`` / ``np.array_equal``). Batches are drawn by
+hypothesis over the settings that change the output (padding strategy, max_length,
+pad_to_multiple_of, padding side, return_tensors, input container, extra keys). When transformers
+raises, ours must raise too (a ValueError/TypeError/KeyError, never a Rust panic).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import tokenizers
+import torch
+import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import PreTrainedTokenizerFast
+
+import fasttrain
+from fasttrain.data import collators as ft
+
+PAD_ID = 3  # not 0, so that a pad written with the wrong value shows
+VOCAB_SIZE = 40
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def make_tokenizer(padding_side: str = "right", pad: bool = True, token_type_ids: bool = False):
+    vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "[PAD]": PAD_ID, "[MASK]": 4}
+    vocab.update({f"w{i}": i for i in range(5, VOCAB_SIZE)})
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    kwargs = {"pad_token": "[PAD]"} if pad else {}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", mask_token="[MASK]", padding_side=padding_side, **kwargs
+    )
+    if token_type_ids:
+        tok.model_input_names = ["input_ids", "token_type_ids", "attention_mask"]
+    return tok
+
+
+def assert_same(ours, ref) -> None:
+    assert type(ours) is type(ref)
+    assert list(ours.keys()) == list(ref.keys())
+    for key in ref:
+        a, b = ours[key], ref[key]
+        assert type(a) is type(b), key
+        if isinstance(b, torch.Tensor):
+            assert (a.dtype, a.shape) == (b.dtype, b.shape), key
+            assert torch.equal(a, b), key
+        elif isinstance(b, np.ndarray):
+            assert (a.dtype, a.shape) == (b.dtype, b.shape), key
+            if b.dtype == object:  # transformers' ragged numpy batches
+                assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a, b, strict=True)), (
+                    key
+                )
+            else:
+                assert np.array_equal(a, b), key
+        else:
+            assert a == b, key
+
+
+def run_both(ours, ref, features, **kwargs):
+    """Calls both collators on (separate copies of) the same batch and compares."""
+    try:
+        expected = ref(clone(features), **kwargs)
+    except Exception as ref_error:
+        with pytest.raises((ValueError, TypeError, KeyError)):
+            ours(clone(features), **kwargs)
+        return ref_error
+    try:
+        got = ours(clone(features), **kwargs)
+    except ValueError:
+        # The one place we differ on purpose: torch.tensor([[], [5]]) is a (2, 0) tensor, so
+        # transformers silently drops every token of a ragged batch whose first row is empty.
+        assert reference_dropped_tokens(features, expected), "ours raised where transformers did not"
+        return None
+    assert_same(got, expected)
+    return None
+
+
+def reference_dropped_tokens(features, expected) -> bool:
+    total = sum(len(f["input_ids"]) for f in features)
+    return (
+        expected["input_ids"].size < total
+        if isinstance(expected["input_ids"], np.ndarray)
+        else (expected["input_ids"].numel() < total)
+    )
+
+
+def clone(features):
+    def copy(v):
+        if isinstance(v, torch.Tensor):
+            return v.clone()
+        if isinstance(v, np.ndarray):
+            return v.copy()
+        if isinstance(v, list):
+            return list(v)
+        return v
+
+    return [{k: copy(v) for k, v in f.items()} for f in features]
+
+
+def as_container(values: list[int], container: str):
+    if container == "list":
+        return list(values)
+    if container == "np64":
+        return np.asarray(values, dtype=np.int64)
+    if container == "np32":
+        return np.asarray(values, dtype=np.int32)
+    if container == "torch":
+        return torch.tensor(values, dtype=torch.int64)
+    raise AssertionError(container)
+
+
+CONTAINERS = st.sampled_from(["list", "np64", "np32", "torch"])
+token = st.integers(0, VOCAB_SIZE - 1)  # includes PAD_ID: labels mask by value
+sequences = st.lists(token, min_size=0, max_size=12)
+
+
+@st.composite
+def padded_batches(draw, min_len: int = 0):
+    """A batch of examples with the keys tokenizer.pad knows, plus an unpadded label."""
+    n = draw(st.integers(1, 6))
+    container = draw(CONTAINERS)
+    extras = draw(
+        st.sets(st.sampled_from(["attention_mask", "token_type_ids", "special_tokens_mask", "label"]))
+    )
+    features = []
+    for _ in range(n):
+        ids = draw(st.lists(token, min_size=min_len, max_size=12))
+        f = {"input_ids": as_container(ids, container)}
+        bits = st.lists(st.integers(0, 1), min_size=len(ids), max_size=len(ids))
+        for key in ("token_type_ids", "attention_mask", "special_tokens_mask"):
+            if key in extras:
+                f[key] = as_container(draw(bits), container)
+        if "label" in extras:
+            f["label"] = draw(st.integers(0, 4))
+        features.append(f)
+    return features
+
+
+paddings = st.sampled_from([True, "longest", "max_length", False, "do_not_pad"])
+max_lengths = st.one_of(st.none(), st.integers(0, 14))
+multiples = st.sampled_from([None, 1, 3, 8])
+sides = st.sampled_from(["right", "left"])
+tensors = st.sampled_from(["pt", "np"])
+
+
+@SETTINGS
+@given(padded_batches(), paddings, max_lengths, multiples, sides, tensors, st.booleans())
+def test_with_padding_matches_transformers(features, padding, max_length, multiple, side, rt, token_types):
+    tok = make_tokenizer(side, token_type_ids=token_types)
+    args = {
+        "padding": padding,
+        "max_length": max_length,
+        "pad_to_multiple_of": multiple,
+        "return_tensors": rt,
+    }
+    run_both(
+        ft.DataCollatorWithPadding(tok, **args), transformers.DataCollatorWithPadding(tok, **args), features
+    )
+
+
+@SETTINGS
+@given(padded_batches(), multiples, sides, tensors)
+def test_causal_lm_matches_transformers(features, multiple, side, rt):
+    tok = make_tokenizer(side)
+    args = {"mlm": False, "pad_to_multiple_of": multiple, "return_tensors": rt}
+    err = run_both(
+        ft.DataCollatorForLanguageModeling(tok, **args),
+        transformers.DataCollatorForLanguageModeling(tok, **args),
+        features,
+    )
+    assert err is None
+
+
+@st.composite
+def seq2seq_batches(draw):
+    features = draw(padded_batches())
+    label_key = draw(st.sampled_from(["labels", "label"]))
+    container = draw(st.sampled_from(["list", "np64"]))
+    for f in features:
+        f.pop("label", None)
+        f[label_key] = as_container(draw(sequences), container)
+    return features
+
+
+@SETTINGS
+@given(seq2seq_batches(), paddings, max_lengths, multiples, sides, tensors, st.sampled_from([-100, 0, 7]))
+def test_seq2seq_matches_transformers(features, padding, max_length, multiple, side, rt, label_pad):
+    tok = make_tokenizer(side)
+    args = {
+        "padding": padding,
+        "max_length": max_length,
+        "pad_to_multiple_of": multiple,
+        "label_pad_token_id": label_pad,
+        "return_tensors": rt,
+    }
+    run_both(
+        ft.DataCollatorForSeq2Seq(tok, **args), transformers.DataCollatorForSeq2Seq(tok, **args), features
+    )
+
+
+class ShiftRightModel:
+    """Stands in for an encoder-decoder model: only prepare_decoder_input_ids_from_labels is used."""
+
+    def prepare_decoder_input_ids_from_labels(self, labels):
+        shifted = torch.full_like(labels, 1)
+        shifted[:, 1:] = labels[:, :-1].clamp(min=0)
+        return shifted
+
+
+def test_seq2seq_decoder_input_ids_come_from_the_model():
+    tok = make_tokenizer()
+    features = [{"input_ids": [5, 6, 7], "labels": [8, 9]}, {"input_ids": [5], "labels": [10, 11, 12]}]
+    args = {"model": ShiftRightModel(), "pad_to_multiple_of": 4}
+    ref = transformers.DataCollatorForSeq2Seq(tok, **args)(clone(features))
+    ours = ft.DataCollatorForSeq2Seq(tok, **args)(clone(features))
+    assert "decoder_input_ids" in ref
+    assert_same(ours, ref)
+
+
+def test_seq2seq_without_labels_returns_labels_none():
+    tok = make_tokenizer()
+    for features in ([{"input_ids": [5, 6]}, {"input_ids": [7]}], [{"input_ids": [5], "labels": None}]):
+        assert_same(
+            ft.DataCollatorForSeq2Seq(tok)(clone(features)),
+            transformers.DataCollatorForSeq2Seq(tok)(clone(features)),
+        )
+
+
+@st.composite
+def flattening_batches(draw):
+    n = draw(st.integers(1, 6))
+    container = draw(CONTAINERS)
+    with_labels = draw(st.booleans())
+    features = []
+    for _ in range(n):
+        ids = draw(sequences)
+        f = {"input_ids": as_container(ids, container)}
+        if with_labels:
+            labels = draw(st.lists(st.integers(-100, VOCAB_SIZE), min_size=len(ids), max_size=len(ids)))
+            f["labels"] = as_container(labels, container)
+        features.append(f)
+    return features
+
+
+@SETTINGS
+@given(
+    flattening_batches(),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([-100, 0, 5]),
+    st.sampled_from([0, 2]),
+    tensors,
+    st.sampled_from([None, -1]),
+)
+def test_flattening_matches_transformers(features, pos, flash, seq_idx, sep, start, rt, call_sep):
+    args = {
+        "return_position_ids": pos,
+        "return_flash_attn_kwargs": flash,
+        "return_seq_idx": seq_idx,
+        "separator_id": sep,
+        "position_ids_start": start,
+        "return_tensors": rt,
+    }
+    run_both(
+        ft.DataCollatorWithFlattening(**args),
+        transformers.DataCollatorWithFlattening(**args),
+        features,
+        separator_id=call_sep,
+    )
+
+
+def test_flattening_cu_seq_lens_are_not_aliased():
+    batch = ft.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+        [{"input_ids": [5, 6]}, {"input_ids": [7]}]
+    )
+    batch["cu_seq_lens_q"][0] = 99
+    assert batch["cu_seq_lens_k"][0] == 0
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("multiple", [None, 8])
+def test_pad_to_multiple_adds_no_block_when_aligned(side, multiple):
+    tok = make_tokenizer(side)
+    features = [{"input_ids": list(range(5, 13))}, {"input_ids": [5, 6, 7]}]  # longest is 8
+    ours = ft.DataCollatorWithPadding(tok, pad_to_multiple_of=multiple)(clone(features))
+    assert ours["input_ids"].shape == (2, 8)
+    assert_same(ours, transformers.DataCollatorWithPadding(tok, pad_to_multiple_of=multiple)(clone(features)))
+
+
+def test_label_and_label_ids_renaming():
+    tok = make_tokenizer()
+    for extra in ({"label": 1}, {"label_ids": [1, 2]}, {"label": 0.5}):
+        features = [{"input_ids": [5, 6], **extra}, {"input_ids": [7], **extra}]
+        ours = ft.DataCollatorWithPadding(tok)(clone(features))
+        assert "labels" in ours
+        assert_same(ours, transformers.DataCollatorWithPadding(tok)(clone(features)))
+
+
+def test_long_random_batch_matches():
+    """A batch like the benchmark's: 64 examples, lengths 16-2048, all token keys."""
+    rng = np.random.default_rng(0)
+    tok = make_tokenizer("left")
+    features = []
+    for n in rng.integers(16, 2049, 64):
+        features.append(
+            {
+                "input_ids": rng.integers(0, 30_000, n).tolist(),
+                "token_type_ids": rng.integers(0, 2, n).tolist(),
+                "attention_mask": [1] * n,
+                "special_tokens_mask": [0] * n,
+                "label": int(rng.integers(0, 3)),
+            }
+        )
+    args = {"pad_to_multiple_of": 64}
+    assert_same(
+        ft.DataCollatorWithPadding(tok, **args)(clone(features)),
+        transformers.DataCollatorWithPadding(tok, **args)(clone(features)),
+    )
+
+
+def test_no_pad_token_raises_like_transformers():
+    tok = make_tokenizer(pad=False)
+    features = [{"input_ids": [5, 6]}, {"input_ids": [7]}]
+    with pytest.raises(ValueError) as ref:
+        transformers.DataCollatorWithPadding(tok)(clone(features))
+    with pytest.raises(ValueError) as ours:
+        ft.DataCollatorWithPadding(tok)(clone(features))
+    assert str(ours.value) == str(ref.value)
+    for cls in (ft.DataCollatorForSeq2Seq, ft.DataCollatorForLanguageModeling):
+        kwargs = {"mlm": False} if cls is ft.DataCollatorForLanguageModeling else {}
+        with pytest.raises(ValueError, match="padding token"):
+            cls(tok, **kwargs)(clone(features))
+    # no padding asked for: no pad token needed
+    same = [{"input_ids": [5, 6]}, {"input_ids": [7, 8]}]
+    assert_same(
+        ft.DataCollatorWithPadding(tok, padding=False)(clone(same)),
+        transformers.DataCollatorWithPadding(tok, padding=False)(clone(same)),
+    )
+
+
+def test_mlm_hands_over_to_transformers_and_logs_once(caplog):
+    tok = make_tokenizer()
+    features = [{"input_ids": list(range(5, 30))}, {"input_ids": list(range(5, 20))}]
+    ours = ft.DataCollatorForLanguageModeling(tok, seed=7)
+    ref = transformers.DataCollatorForLanguageModeling(tok, seed=7)
+    with caplog.at_level(logging.WARNING, logger="fasttrain"):
+        for _ in range(3):
+            assert_same(ours(clone(features)), ref(clone(features)))
+    handover = [r for r in caplog.records if "mlm=True" in r.getMessage()]
+    assert len(handover) <= 1  # once per process (it may have been logged by an earlier test)
+
+
+def test_non_mapping_examples_hand_over():
+    tok = make_tokenizer()
+    examples = [[5, 6, 7], [8]]
+    args = {"mlm": False}
+    assert_same(
+        ft.DataCollatorForLanguageModeling(tok, **args)([list(e) for e in examples]),
+        transformers.DataCollatorForLanguageModeling(tok, **args)([list(e) for e in examples]),
+    )
+
+
+def test_same_constructor_and_isinstance():
+    tok = make_tokenizer()
+    for ours, ref in [
+        (ft.DataCollatorWithPadding, transformers.DataCollatorWithPadding),
+        (ft.DataCollatorForLanguageModeling, transformers.DataCollatorForLanguageModeling),
+        (ft.DataCollatorForSeq2Seq, transformers.DataCollatorForSeq2Seq),
+    ]:
+        assert issubclass(ours, ref)
+        assert [f.name for f in ours.__dataclass_fields__.values()] == list(ref.__dataclass_fields__)
+        assert isinstance(ours(tok), ref)
+    assert fasttrain.DataCollatorWithPadding is ft.DataCollatorWithPadding
+    assert fasttrain.DataCollatorWithFlattening is ft.DataCollatorWithFlattening
+    with pytest.raises(ValueError):  # transformers' own validation runs
+        ft.DataCollatorForLanguageModeling(tok, mlm=False, whole_word_mask=True)
+
+
+def test_native_equivalent():
+    tok = make_tokenizer("left")
+    pairs = [
+        transformers.DataCollatorWithPadding(tok, padding="max_length", max_length=9, pad_to_multiple_of=4),
+        transformers.DataCollatorForLanguageModeling(
+            tok, mlm=False, pad_to_multiple_of=8, return_tensors="np"
+        ),
+        transformers.DataCollatorForSeq2Seq(tok, label_pad_token_id=0, pad_to_multiple_of=2),
+        transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, separator_id=7),
+    ]
+    features = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8], "labels": [9]}]
+    plain = [{"input_ids": [5, 6, 7]}, {"input_ids": [8]}]
+    for hf in pairs:
+        ours = ft.native_equivalent(hf)
+        assert type(ours).__name__ == type(hf).__name__ and type(ours) is not type(hf)
+        assert isinstance(ours, type(hf))
+        assert vars(ours) == vars(hf)
+        assert run_both(ours, hf, features) is None or isinstance(hf, transformers.DataCollatorWithPadding)
+        assert_same(ours(clone(plain)), hf(clone(plain)))
+        assert ft.native_equivalent(ours) is ours
+    assert ft.native_equivalent(transformers.DataCollatorForLanguageModeling(tok)) is None  # mlm=True
+    assert ft.native_equivalent(transformers.DefaultDataCollator()) is None
+
+    class Custom(transformers.DataCollatorWithPadding):
+        pass
+
+    assert ft.native_equivalent(Custom(tok)) is None
