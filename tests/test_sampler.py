@@ -162,7 +162,10 @@ def test_distributed_is_a_distributed_sampler():
         (dict(batch_size=2, lengths=[[1, 2], [3, 4]]), "must be 1-D"),
         (dict(batch_size=2, lengths=[1, 2**70]), "does not fit in int64"),
         (dict(batch_size=2, lengths=np.array([1, 2**63], dtype=np.uint64)), "does not fit in int64"),
-        (dict(batch_size=2, dataset=[{"input_ids": [1]}] * 3, lengths=[1, 2]), "2 lengths for a dataset of 3"),
+        (
+            dict(batch_size=2, dataset=[{"input_ids": [1]}] * 3, lengths=[1, 2]),
+            "2 lengths for a dataset of 3",
+        ),
         (dict(batch_size=2), "One of dataset and lengths must be provided"),
         (dict(batch_size=2, dataset=[[1, 2]]), "'input_ids' key"),
     ],

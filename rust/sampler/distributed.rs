@@ -8,7 +8,11 @@ use crate::errors::{DataError, DataResult};
 /// order is padded by repeating its head; with `drop_last` the tail is dropped instead:
 /// transformers' `ceil((n - replicas) / replicas)` is `n / replicas` rounded down when `n` does
 /// not divide evenly (and 0 when `n < replicas`).
-pub fn samples_per_rank(n: usize, num_replicas: usize, drop_last: bool) -> DataResult<(usize, usize)> {
+pub fn samples_per_rank(
+    n: usize,
+    num_replicas: usize,
+    drop_last: bool,
+) -> DataResult<(usize, usize)> {
     if num_replicas == 0 {
         return Err(DataError::value("num_replicas must be at least 1, got 0"));
     }
@@ -29,7 +33,12 @@ pub fn samples_per_rank(n: usize, num_replicas: usize, drop_last: bool) -> DataR
 /// the same as long as the padding is no longer than the order; past that (fewer indices than
 /// ranks) it fails an assertion, and here the order is repeated cyclically, as
 /// `torch.utils.data.DistributedSampler` does.
-pub fn rank_indices(indices: &[i64], num_replicas: usize, rank: usize, drop_last: bool) -> DataResult<Vec<i64>> {
+pub fn rank_indices(
+    indices: &[i64],
+    num_replicas: usize,
+    rank: usize,
+    drop_last: bool,
+) -> DataResult<Vec<i64>> {
     let (num_samples, _) = samples_per_rank(indices.len(), num_replicas, drop_last)?;
     if rank >= num_replicas {
         return Err(DataError::value(format!(

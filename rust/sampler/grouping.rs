@@ -10,12 +10,20 @@ const MAX_MEGA_BATCH_MULT: usize = 50;
 ///
 /// Default multiplier: `min(n // (4 * batch_size), 50)`, raised to 1 for tiny datasets. An
 /// explicit `mega_batch_mult` is used as given (it must be at least 1).
-pub fn megabatch_size(n: usize, batch_size: usize, mega_batch_mult: Option<usize>) -> DataResult<usize> {
+pub fn megabatch_size(
+    n: usize,
+    batch_size: usize,
+    mega_batch_mult: Option<usize>,
+) -> DataResult<usize> {
     if batch_size == 0 {
         return Err(DataError::value("batch_size must be at least 1, got 0"));
     }
     let mult = match mega_batch_mult {
-        Some(0) => return Err(DataError::value("mega_batch_mult must be at least 1, got 0")),
+        Some(0) => {
+            return Err(DataError::value(
+                "mega_batch_mult must be at least 1, got 0",
+            ))
+        }
         Some(m) => m,
         // n / bs / 4 == n / (4 * bs) for positive integers, without the overflow of 4 * bs.
         None => (n / batch_size / 4).clamp(1, MAX_MEGA_BATCH_MULT),
@@ -44,7 +52,10 @@ fn validate_permutation(permutation: &[i64], n: usize) -> DataResult<()> {
             permutation.len()
         )));
     }
-    match permutation.iter().position(|&i| i < 0 || i as u64 >= n as u64) {
+    match permutation
+        .iter()
+        .position(|&i| i < 0 || i as u64 >= n as u64)
+    {
         None => Ok(()),
         Some(p) => Err(DataError::value(format!(
             "permutation[{p}] = {} is not an index into {n} lengths",
@@ -75,13 +86,36 @@ pub fn group_by_length(
     }
 
     let max_len = lengths.iter().copied().max().unwrap_or(0);
-    if max_len <= i64::from(u32::MAX) && size <= u32::MAX as usize {
-        sort_megabatches_packed(permutation, lengths, size);
+    let packed = max_len <= i64::from(u32::MAX) && size <= u32::MAX as usize;
+    let sort = |part: &mut [i64]| {
+        if packed {
+            sort_megabatches_packed(part, lengths, size);
+        } else {
+            sort_megabatches_general(part, lengths, size);
+        }
+    };
+    // Megabatches are independent: large orders are split between threads at megabatch boundaries.
+    let threads = worker_count(n);
+    if threads > 1 {
+        let megabatches_per_thread = n.div_ceil(size).div_ceil(threads);
+        std::thread::scope(|scope| {
+            for part in permutation.chunks_mut(megabatches_per_thread.saturating_mul(size)) {
+                scope.spawn(|| sort(part));
+            }
+        });
     } else {
-        sort_megabatches_general(permutation, lengths, size);
+        sort(permutation);
     }
     longest_to_front(permutation, lengths, size);
     Ok(())
+}
+
+/// Below this many indices a thread costs more than it saves.
+const MIN_INDICES_PER_THREAD: usize = 1 << 17;
+
+fn worker_count(n: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    cores.min(n / MIN_INDICES_PER_THREAD).max(1)
 }
 
 /// The common case: lengths and in-megabatch positions both fit 32 bits, so one u64 key
@@ -110,7 +144,11 @@ fn sort_megabatches_general(permutation: &mut [i64], lengths: &[i64], size: usiz
     let mut pairs: Vec<(i64, i64)> = Vec::with_capacity(size.min(permutation.len()));
     for megabatch in permutation.chunks_mut(size) {
         pairs.clear();
-        pairs.extend(megabatch.iter().map(|&index| (lengths[index as usize], index)));
+        pairs.extend(
+            megabatch
+                .iter()
+                .map(|&index| (lengths[index as usize], index)),
+        );
         pairs.sort_by(|a, b| b.0.cmp(&a.0));
         for (slot, &(_, index)) in megabatch.iter_mut().zip(&pairs) {
             *slot = index;

@@ -28,7 +28,12 @@ impl Rng {
 }
 
 /// transformers' `get_length_grouped_indices` after `torch.randperm`, written the obvious way.
-fn reference(permutation: &[i64], lengths: &[i64], batch_size: usize, mult: Option<usize>) -> Vec<i64> {
+fn reference(
+    permutation: &[i64],
+    lengths: &[i64],
+    batch_size: usize,
+    mult: Option<usize>,
+) -> Vec<i64> {
     let n = lengths.len();
     let mult = mult.unwrap_or_else(|| (n / (batch_size * 4)).min(50).max(1));
     let size = mult * batch_size;
@@ -39,7 +44,10 @@ fn reference(permutation: &[i64], lengths: &[i64], batch_size: usize, mult: Opti
     if megabatches.is_empty() {
         return Vec::new();
     }
-    let maximums: Vec<i64> = megabatches.iter().map(|mb| lengths[mb[0] as usize]).collect();
+    let maximums: Vec<i64> = megabatches
+        .iter()
+        .map(|mb| lengths[mb[0] as usize])
+        .collect();
     let max = *maximums.iter().max().unwrap();
     let max_idx = maximums.iter().position(|&m| m == max).unwrap(); // torch.argmax: first maximum
     let (head, tail) = (megabatches[0][0], megabatches[max_idx][0]);
@@ -48,7 +56,12 @@ fn reference(permutation: &[i64], lengths: &[i64], batch_size: usize, mult: Opti
     megabatches.concat()
 }
 
-fn grouped(permutation: &[i64], lengths: &[i64], batch_size: usize, mult: Option<usize>) -> Vec<i64> {
+fn grouped(
+    permutation: &[i64],
+    lengths: &[i64],
+    batch_size: usize,
+    mult: Option<usize>,
+) -> Vec<i64> {
     let mut out = permutation.to_vec();
     group_by_length(&mut out, lengths, batch_size, mult).unwrap();
     out
@@ -73,9 +86,15 @@ fn matches_reference_on_random_inputs() {
             3 => 1 << 40,
             _ => i64::MAX,
         };
-        let lengths: Vec<i64> = (0..n).map(|_| (rng.next() % (max_len as u64)) as i64).collect();
+        let lengths: Vec<i64> = (0..n)
+            .map(|_| (rng.next() % (max_len as u64)) as i64)
+            .collect();
         let perm = rng.permutation(n);
-        let mult = if case % 7 == 0 { Some(1 + rng.below(5) as usize) } else { None };
+        let mult = if case % 7 == 0 {
+            Some(1 + rng.below(5) as usize)
+        } else {
+            None
+        };
         assert_eq!(
             grouped(&perm, &lengths, batch_size, mult),
             reference(&perm, &lengths, batch_size, mult),
@@ -115,8 +134,14 @@ fn megabatch_size_follows_transformers() {
     assert_eq!(megabatch_size(1_000_000, 8, None), Ok(400)); // capped at 50
     assert_eq!(megabatch_size(10, 3, Some(2)), Ok(6));
     assert_eq!(megabatch_size(10, usize::MAX, None), Ok(usize::MAX));
-    assert!(matches!(megabatch_size(10, 0, None), Err(DataError::Value(_))));
-    assert!(matches!(megabatch_size(10, 2, Some(0)), Err(DataError::Value(_))));
+    assert!(matches!(
+        megabatch_size(10, 0, None),
+        Err(DataError::Value(_))
+    ));
+    assert!(matches!(
+        megabatch_size(10, 2, Some(0)),
+        Err(DataError::Value(_))
+    ));
 }
 
 #[test]
@@ -124,14 +149,19 @@ fn edge_sizes_do_not_panic() {
     assert_eq!(grouped(&[], &[], 1, None), Vec::<i64>::new());
     assert_eq!(grouped(&[0], &[3], 1, None), vec![0]);
     assert_eq!(grouped(&[2, 0, 1], &[1, 5, 3], 100, None), vec![1, 2, 0]);
-    assert_eq!(grouped(&[2, 0, 1], &[1, 5, 3], usize::MAX, None), vec![1, 2, 0]);
+    assert_eq!(
+        grouped(&[2, 0, 1], &[1, 5, 3], usize::MAX, None),
+        vec![1, 2, 0]
+    );
 }
 
 #[test]
 fn bad_input_is_an_error_naming_the_culprit() {
     let err = |perm: &[i64], lengths: &[i64], bs: usize| {
         let mut p = perm.to_vec();
-        group_by_length(&mut p, lengths, bs, None).unwrap_err().to_string()
+        group_by_length(&mut p, lengths, bs, None)
+            .unwrap_err()
+            .to_string()
     };
     assert!(err(&[0, 1], &[1, -4], 1).contains("lengths[1] = -4"));
     assert!(err(&[0, 1], &[1, 2], 0).contains("batch_size"));
@@ -156,7 +186,12 @@ fn reference_rank(indices: &[i64], replicas: usize, rank: usize, drop_last: bool
         padded.extend_from_slice(&indices[..total - n]);
     }
     assert_eq!(padded.len(), total);
-    padded.iter().skip(rank).step_by(replicas).copied().collect()
+    padded
+        .iter()
+        .skip(rank)
+        .step_by(replicas)
+        .copied()
+        .collect()
 }
 
 #[test]
@@ -180,7 +215,11 @@ fn ranks_match_reference_and_cover_each_index_once_without_padding() {
                 }
                 if n % replicas == 0 {
                     union.sort_unstable();
-                    assert_eq!(union, (0..n as i64).collect::<Vec<i64>>(), "n={n} replicas={replicas}");
+                    assert_eq!(
+                        union,
+                        (0..n as i64).collect::<Vec<i64>>(),
+                        "n={n} replicas={replicas}"
+                    );
                 }
             }
         }
@@ -190,11 +229,17 @@ fn ranks_match_reference_and_cover_each_index_once_without_padding() {
 #[test]
 fn distributed_bad_input_and_tiny_orders() {
     assert!(rank_indices(&[0, 1], 0, 0, false).is_err());
-    assert!(rank_indices(&[0, 1], 2, 2, false).unwrap_err().to_string().contains("rank"));
+    assert!(rank_indices(&[0, 1], 2, 2, false)
+        .unwrap_err()
+        .to_string()
+        .contains("rank"));
     // One index, three ranks: padded by repetition instead of transformers' assertion failure.
     for rank in 0..3 {
         assert_eq!(rank_indices(&[0], 3, rank, false).unwrap(), vec![0]);
-        assert_eq!(rank_indices(&[0], 3, rank, true).unwrap(), Vec::<i64>::new());
+        assert_eq!(
+            rank_indices(&[0], 3, rank, true).unwrap(),
+            Vec::<i64>::new()
+        );
     }
     assert_eq!(samples_per_rank(10, 3, true), Ok((3, 9)));
     assert_eq!(samples_per_rank(10, 3, false), Ok((4, 12)));

@@ -13,6 +13,7 @@ repeated cyclically (transformers fails an assertion); bad lengths or sizes rais
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Iterator
@@ -27,6 +28,14 @@ from .lengths import as_length_array, lengths_from_dataset
 
 # Larger batch sizes behave exactly like one megabatch holding everything; clamp so Rust gets a usize.
 _MAX_NATIVE_SIZE = 2**62
+# Indices are turned into Python ints this many at a time, as the iteration reaches them.
+_INT_CHUNK = 1 << 16
+
+
+def _python_ints(order: np.ndarray) -> Iterator[int]:
+    """Iterate ``order`` as Python ints (like transformers' list) without converting it all up front."""
+    chunks = (order[start : start + _INT_CHUNK] for start in range(0, len(order), _INT_CHUNK))
+    return itertools.chain.from_iterable(map(np.ndarray.tolist, chunks))
 
 
 def _positive_int(value: Any, what: str) -> int:
@@ -95,7 +104,7 @@ class LengthGroupedSampler(Sampler):
         return length_grouped_indices(self.lengths, self.batch_size, generator=self.generator)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.indices().tolist())
+        return _python_ints(self.indices())
 
 
 class DistributedLengthGroupedSampler(DistributedSampler):
@@ -161,4 +170,4 @@ class DistributedLengthGroupedSampler(DistributedSampler):
         return _native.distributed_rank_indices(order, self.num_replicas, self.rank, self.drop_last)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.indices().tolist())
+        return _python_ints(self.indices())
