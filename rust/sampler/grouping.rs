@@ -149,7 +149,7 @@ fn sort_megabatches_general(permutation: &mut [i64], lengths: &[i64], size: usiz
                 .iter()
                 .map(|&index| (lengths[index as usize], index)),
         );
-        pairs.sort_by(|a, b| b.0.cmp(&a.0));
+        pairs.sort_by_key(|pair| std::cmp::Reverse(pair.0)); // stable
         for (slot, &(_, index)) in megabatch.iter_mut().zip(&pairs) {
             *slot = index;
         }

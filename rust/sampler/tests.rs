@@ -35,7 +35,7 @@ fn reference(
     mult: Option<usize>,
 ) -> Vec<i64> {
     let n = lengths.len();
-    let mult = mult.unwrap_or_else(|| (n / (batch_size * 4)).min(50).max(1));
+    let mult = mult.unwrap_or_else(|| (n / (batch_size * 4)).clamp(1, 50));
     let size = mult * batch_size;
     let mut megabatches: Vec<Vec<i64>> = permutation.chunks(size).map(<[i64]>::to_vec).collect();
     for mb in &mut megabatches {
