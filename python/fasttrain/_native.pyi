@@ -1,10 +1,11 @@
 """Type stub for the native module ``fasttrain._native`` (Rust, PyO3)."""
 
+import numpy as np
+import numpy.typing as npt
+
 __version__: str
 
 # --- collate --- (rust/collate/python.rs)
-import numpy as _np
-import numpy.typing as _npt
 
 def pad_features(
     features: list[object],
@@ -15,7 +16,7 @@ def pad_features(
     pad_to_multiple_of: int | None,
     padding_side: str,
     attention_mask: bool,
-) -> list[_npt.NDArray[_np.int64]]:
+) -> list[npt.NDArray[np.int64]]:
     """Pad `keys` (name, pad value) of a list of feature mappings to one width (tokenizer.pad rules).
 
     `padding` is "longest", "max_length" or "do_not_pad". The first key decides the width; the
@@ -23,7 +24,7 @@ def pad_features(
     when `attention_mask` is true. ValueError/TypeError/KeyError name the example and the key.
     """
 
-def causal_lm_labels(input_ids: _npt.NDArray[_np.int64], pad_token_id: int | None) -> _npt.NDArray[_np.int64]:
+def causal_lm_labels(input_ids: npt.NDArray[np.int64], pad_token_id: int | None) -> npt.NDArray[np.int64]:
     """A copy of 2-d `input_ids` with values equal to `pad_token_id` set to -100."""
 
 def flatten_features(
@@ -35,12 +36,29 @@ def flatten_features(
     seq_idx: bool,
     flash_attn_kwargs: bool,
 ) -> tuple[
-    _npt.NDArray[_np.int64],
-    _npt.NDArray[_np.int64],
-    _npt.NDArray[_np.int64] | None,
-    _npt.NDArray[_np.int32] | None,
-    _npt.NDArray[_np.int32] | None,
+    npt.NDArray[np.int64],
+    npt.NDArray[np.int64],
+    npt.NDArray[np.int64] | None,
+    npt.NDArray[np.int32] | None,
+    npt.NDArray[np.int32] | None,
     int,
 ]:
     """DataCollatorWithFlattening's batch: (input_ids, labels, position_ids, seq_idx, cu_seq_lens, max_length)."""
 # --- end collate ---
+
+# --- sampler --- (rust/sampler/python.rs)
+
+def length_grouped_indices(
+    permutation: npt.NDArray[np.int64],
+    lengths: npt.NDArray[np.int64],
+    batch_size: int,
+    mega_batch_mult: int | None = None,
+) -> npt.NDArray[np.int64]:
+    """transformers' get_length_grouped_indices given the permutation torch.randperm(len(lengths))."""
+
+def distributed_rank_indices(
+    indices: npt.NDArray[np.int64], num_replicas: int, rank: int, drop_last: bool
+) -> npt.NDArray[np.int64]:
+    """The indices of `rank` out of one epoch's order (DistributedLengthGroupedSampler)."""
+
+# --- end sampler ---

@@ -1,0 +1,238 @@
+"""Length-grouped sampler: transformers' path vs fasttrain's, side by side on one 1M-row datasets.Dataset.
+
+Two measurements, reference and fasttrain alternating, medians of several repetitions:
+
+- start-up: building the sampler from a ``datasets.Dataset`` with a list column ``input_ids`` and no
+  ``length`` column, which is what the Trainer does for ``train_sampling_strategy="group_by_length"``:
+  transformers' ``LengthGroupedSampler(bs, dataset=ds)`` runs ``len(example["input_ids"])`` over every row;
+  fasttrain reads the list lengths from the Arrow offsets.
+- one epoch of indices, from the same lengths and generator seed: transformers'
+  ``get_length_grouped_indices`` (a list) vs fasttrain's ``length_grouped_indices`` (an int64 array, what
+  ``LengthGroupedSampler.indices()`` returns);
+  and the whole epoch as Python ints (``list(sampler)``) for both samplers.
+
+Both sides are checked to give the same lengths and the same order before anything is timed.
+Writes benchmarks/results/sampler.json and sampler.md.
+
+    python benchmarks/bench_sampler.py            # 1M rows (about 2 minutes on 2 cores)
+    python benchmarks/bench_sampler.py --rows 20000 --repeats 2 --out /tmp   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import torch
+import transformers
+from transformers.trainer_pt_utils import LengthGroupedSampler as RefSampler
+from transformers.trainer_pt_utils import get_length_grouped_indices
+
+import fasttrain
+from fasttrain.data.sampler import LengthGroupedSampler, length_grouped_indices
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def build_dataset(rows: int, min_length: int, max_length: int, seed: int) -> datasets.Dataset:
+    """A datasets.Dataset with one list<int32> column `input_ids` of random lengths, built from offsets."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(min_length, max_length + 1, size=rows)
+    offsets = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    # Token values do not matter to either side; tile a random block instead of drawing ~10^8 numbers.
+    values = np.resize(rng.integers(0, 32_000, size=1 << 20, dtype=np.int32), int(offsets[-1]))
+    offsets_type = np.int32 if offsets[-1] < 2**31 else np.int64
+    array_type = pa.ListArray if offsets_type is np.int32 else pa.LargeListArray
+    column = array_type.from_arrays(pa.array(offsets.astype(offsets_type)), pa.array(values))
+    return datasets.Dataset(pa.table({"input_ids": column}))
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def alternate(reference, ours, repeats: int) -> tuple[list[float], list[float]]:
+    ref_times, our_times = [], []
+    for _ in range(repeats):
+        ref_times.append(timed(reference)[0])
+        our_times.append(timed(ours)[0])
+    return ref_times, our_times
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def summary(ref_times: list[float], our_times: list[float], items: int) -> dict:
+    ref, ours = statistics.median(ref_times), statistics.median(our_times)
+    return {
+        "reference_s": ref_times,
+        "fasttrain_s": our_times,
+        "reference_median_s": ref,
+        "fasttrain_median_s": ours,
+        "reference_items_per_s": items / ref,
+        "fasttrain_items_per_s": items / ours,
+        "speedup": ref / ours,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--min-length", type=int, default=16)
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=7, help="repetitions of the indices measurements")
+    parser.add_argument(
+        "--startup-repeats", type=int, default=3, help="repetitions of the start-up measurement"
+    )
+    parser.add_argument(
+        "--startup-rows",
+        type=int,
+        default=None,
+        help="time the reference's per-row pass on the first N rows only (default: all rows)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    command = shlex.join(["python", "benchmarks/bench_sampler.py", *sys.argv[1:]])
+    load_before = os.getloadavg()
+
+    ds = build_dataset(args.rows, args.min_length, args.max_length, args.seed)
+    bs = args.batch_size
+
+    # --- start-up: lengths from the dataset ---
+    startup_ds = ds if args.startup_rows is None else ds.select(range(args.startup_rows))
+    startup_rows = len(startup_ds)
+    ref_sampler = RefSampler(bs, dataset=startup_ds)
+    our_sampler = LengthGroupedSampler(bs, dataset=startup_ds)
+    assert our_sampler.lengths.tolist() == list(ref_sampler.lengths), "lengths differ"
+    ref_startup, our_startup = alternate(
+        lambda: RefSampler(bs, dataset=startup_ds),
+        lambda: LengthGroupedSampler(bs, dataset=startup_ds),
+        args.startup_repeats,
+    )
+    # fasttrain's start-up on all rows too (it is what a user pays), when the reference ran on a subset.
+    our_full_startup = [timed(lambda: LengthGroupedSampler(bs, dataset=ds))[0] for _ in range(args.repeats)]
+
+    # --- one epoch of indices, same lengths and seed on both sides ---
+    ours = LengthGroupedSampler(bs, dataset=ds, generator=torch.Generator().manual_seed(args.seed))
+    ref_lengths = ours.lengths.tolist()  # what transformers' sampler holds: a list of Python ints
+    ref = RefSampler(bs, lengths=ref_lengths, generator=torch.Generator().manual_seed(args.seed))
+    assert list(ours) == list(ref), "orders differ"
+    n = len(ref_lengths)
+    g_ref, g_ours = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    ref_indices, our_indices = alternate(
+        lambda: get_length_grouped_indices(ref_lengths, bs, generator=g_ref),
+        lambda: length_grouped_indices(ours.lengths, bs, generator=g_ours),
+        args.repeats,
+    )
+    ref_epoch, our_epoch = alternate(lambda: list(ref), lambda: list(ours), args.repeats)
+    g_perm = torch.Generator().manual_seed(2)
+    randperm = [timed(lambda: torch.randperm(n, generator=g_perm))[0] for _ in range(args.repeats)]
+
+    results = {
+        "benchmark": "sampler",
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "machine": {
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "load_average_at_start": load_before,
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "datasets": datasets.__version__,
+            "pyarrow": pa.__version__,
+            "numpy": np.__version__,
+            "fasttrain": fasttrain.__version__,
+        },
+        "config": {
+            "rows": args.rows,
+            "startup_rows": startup_rows,
+            "batch_size": bs,
+            "length_range": [args.min_length, args.max_length],
+            "mean_length": float(ours.lengths.mean()),
+            "repeats": args.repeats,
+            "startup_repeats": args.startup_repeats,
+        },
+        "startup": summary(ref_startup, our_startup, startup_rows),
+        "startup_fasttrain_all_rows_median_s": statistics.median(our_full_startup),
+        "indices": summary(ref_indices, our_indices, n),
+        "epoch_as_python_ints": summary(ref_epoch, our_epoch, n),
+        "torch_randperm_median_s": statistics.median(randperm),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sampler.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "sampler.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+def markdown(r: dict) -> str:
+    c, m, v = r["config"], r["machine"], r["versions"]
+    s, i, e = r["startup"], r["indices"], r["epoch_as_python_ints"]
+
+    def row(name: str, d: dict, unit: str) -> str:
+        return (
+            f"| {name} | {d['reference_median_s'] * 1e3:,.1f} ms ({d['reference_items_per_s']:,.0f} {unit}/s) "
+            f"| {d['fasttrain_median_s'] * 1e3:,.2f} ms ({d['fasttrain_items_per_s']:,.0f} {unit}/s) "
+            f"| {d['speedup']:,.1f}x |"
+        )
+
+    subset = (
+        ""
+        if c["startup_rows"] == c["rows"]
+        else f" The reference start-up was timed on the first {c['startup_rows']:,} rows only."
+    )
+    return f"""# Length-grouped sampler: transformers vs fasttrain
+
+{r["date_utc"]} · {m["cpu"]}, {m["cores"]} cores (load average at start {m["load_average_at_start"][0]:.2f}) ·
+Python {v["python"]}, torch {v["torch"]}, transformers {v["transformers"]}, datasets {v["datasets"]},
+pyarrow {v["pyarrow"]}, numpy {v["numpy"]}, fasttrain {v["fasttrain"]}
+
+Command: `{r["command"]}`
+
+A `datasets.Dataset` of {c["rows"]:,} rows, list column `input_ids` with lengths uniform in
+[{c["length_range"][0]}, {c["length_range"][1]}] (mean {c["mean_length"]:.1f}), no `length` column; batch size {c["batch_size"]}.
+Reference and fasttrain alternate; medians of {c["startup_repeats"]} (start-up) and {c["repeats"]} (indices) runs.
+Both sides give the same lengths and the same index order (checked before timing).{subset}
+
+| measurement | transformers | fasttrain | speed-up |
+| --- | --- | --- | --- |
+{row("start-up: sampler from the dataset (lengths)", s, "rows")}
+{row("one epoch of indices (list vs int64 array)", i, "indices")}
+{row("one epoch as Python ints (`list(sampler)`)", e, "indices")}
+
+- Start-up: transformers runs `len(example["input_ids"])` over every row (what the Trainer does without a
+  `length` column); fasttrain reads the list lengths from the Arrow offsets. fasttrain on all {c["rows"]:,} rows:
+  {r["startup_fasttrain_all_rows_median_s"] * 1e3:.2f} ms.
+- Indices: both draw `torch.randperm(n, generator)` (it fixes the order); that call alone takes
+  {r["torch_randperm_median_s"] * 1e3:.1f} ms here, part of fasttrain's time and a floor under it.
+"""
+
+
+if __name__ == "__main__":
+    main()
