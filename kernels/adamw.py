@@ -67,7 +67,7 @@ def _typed_ptr(addr, KIND: tl.constexpr, ALIGNED: tl.constexpr):
 @triton.jit
 def _pow(base, exponent, USE_LIBDEVICE: tl.constexpr):
     # libdevice's pow is what torch's CUDA kernel uses; the interpreter has no libdevice
-    if USE_LIBDEVICE:
+    if USE_LIBDEVICE:  # noqa: SIM108 - constexpr branches stay statements in Triton code
         out = libdevice.pow(base, exponent)
     else:
         out = tl.exp2(exponent * tl.log2(base))
@@ -104,7 +104,7 @@ def _adamw_block(
     m = tl.where(one_minus_beta1 < 0.5, m + one_minus_beta1 * (g - m), g - (g - m) * beta1)
     v = v * beta2 + one_minus_beta2 * g * g
     if AMSGRAD:
-        if MASKED:
+        if MASKED:  # noqa: SIM108
             vmax = tl.load(vmax_ptr + offs, mask=mask, other=0.0)
         else:
             vmax = tl.load(vmax_ptr + offs)
@@ -146,7 +146,7 @@ def _adamw_kernel(
     HAS_FOUND_INF: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
-    if HAS_FOUND_INF:
+    if HAS_FOUND_INF:  # noqa: SIM102 - a constexpr test, then a runtime one
         if tl.load(found_inf_ptr) != 0.0:
             return
     pid = tl.program_id(0).to(tl.int64)
@@ -163,7 +163,7 @@ def _adamw_kernel(
         vmax_ptr = _typed_ptr(tl.load(addr_ptr + 4 * n_tensors + t), 0, ALIGNED)
     step_ptr = _typed_ptr(tl.load(addr_ptr + 5 * n_tensors + t), 0, False)
 
-    if LR_IS_TENSOR:
+    if LR_IS_TENSOR:  # noqa: SIM108
         lr_val = tl.load(lr).to(tl.float32)
     else:
         lr_val = tl.cast(lr, tl.float32)
