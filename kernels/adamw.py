@@ -1,0 +1,389 @@
+"""Multi-tensor AdamW step and gradient-norm kernels (Triton) and their plain launchers.
+
+One launch covers every tensor of a parameter group: the launcher writes a table of raw addresses
+(int64 ``data_ptr()``s, one row per role: param, grad, exp_avg, exp_avg_sq, ...) and a work table of
+(tensor index, chunk start) pairs; each program loads its row of addresses, casts them to typed
+pointers and updates one CHUNK of one tensor. A 0.6B model has hundreds of small tensors, so one
+launch per tensor would be launch-bound.
+
+Math follows ``torch.optim.AdamW(fused=True)`` (torch's ``FusedAdamMathFunctor``), in fp32 whatever
+the storage dtype of params/grads (fp32, bf16, fp16); states are fp32:
+
+    g = grad / grad_scale * clip_coef (negated if maximize)
+    p -= lr * weight_decay * p
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    denom = sqrt(v (or max(v_max, v) with amsgrad)) / sqrt(1 - beta2 ** step) + eps
+    p -= lr / (1 - beta1 ** step) * m / denom
+
+Hyperparameters are runtime scalars (or device scalars), never constexprs: a scheduler changing lr
+never recompiles. A step whose ``found_inf`` flag is set leaves everything untouched, decided on the
+device (no host sync). Offsets are 64-bit (a 7B model has single tensors of 500M+ elements).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+# Elements per program and per vector op. 16K elements per program keeps the grid small for 7B
+# parameters (~450K programs) while a 2K-element norm tensor still gets its own program.
+CHUNK = 16384
+BLOCK = 1024
+NUM_WARPS = 4
+
+# storage dtypes the kernels read and write; the code is a constexpr selecting the pointer type
+DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+# rows of the address table of the AdamW kernel
+ROW_PARAM, ROW_GRAD, ROW_EXP_AVG, ROW_EXP_AVG_SQ, ROW_MAX_EXP_AVG_SQ, ROW_STEP = range(6)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _typed_ptr(addr, KIND: tl.constexpr, ALIGNED: tl.constexpr):
+    # the launcher checked that every address is 16-byte aligned when ALIGNED is set: telling the
+    # compiler lets it vectorize loads of pointers it cannot see
+    if ALIGNED:
+        addr = tl.multiple_of(addr, 16)
+    if KIND == 0:
+        ptr = addr.to(tl.pointer_type(tl.float32))
+    elif KIND == 1:
+        ptr = addr.to(tl.pointer_type(tl.bfloat16))
+    else:
+        ptr = addr.to(tl.pointer_type(tl.float16))
+    return ptr
+
+
+@triton.jit
+def _pow(base, exponent, USE_LIBDEVICE: tl.constexpr):
+    # libdevice's pow is what torch's CUDA kernel uses; the interpreter has no libdevice
+    if USE_LIBDEVICE:  # noqa: SIM108 - constexpr branches stay statements in Triton code
+        out = libdevice.pow(base, exponent)
+    else:
+        out = tl.exp2(exponent * tl.log2(base))
+    return out
+
+
+@triton.jit
+def _adamw_block(
+    p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n,
+    decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
+    MASKED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+):  # fmt: skip
+    if MASKED:
+        mask = offs < n
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    else:
+        p = tl.load(p_ptr + offs).to(tl.float32)
+        g = tl.load(g_ptr + offs).to(tl.float32)
+        m = tl.load(m_ptr + offs)
+        v = tl.load(v_ptr + offs)
+
+    if HAS_GRAD_SCALE:
+        g = g / grad_scale  # torch divides by the scale too (`grad /= *grad_scale_ptr`)
+    g = g * grad_mul  # clip coefficient (exactly 1.0 when not clipping), sign for maximize
+    if MAXIMIZE:
+        g = -g
+
+    # the order of operations of torch.optim.AdamW (mul_, lerp_, mul_().addcmul_(), addcdiv_), so the
+    # fp32 roundings match: p *= 1 - lr * wd; m = lerp(m, g, 1 - beta1); v = v * beta2 + (1 - beta2) * g * g
+    p = p * decay
+    m = tl.where(one_minus_beta1 < 0.5, m + one_minus_beta1 * (g - m), g - (g - m) * beta1)
+    v = v * beta2 + one_minus_beta2 * g * g
+    if AMSGRAD:
+        if MASKED:  # noqa: SIM108
+            vmax = tl.load(vmax_ptr + offs, mask=mask, other=0.0)
+        else:
+            vmax = tl.load(vmax_ptr + offs)
+        vmax = tl.maximum(vmax, v)
+        denom = tl.sqrt(vmax) / bc2_sqrt + eps
+    else:
+        denom = tl.sqrt(v) / bc2_sqrt + eps
+    p = p - step_size * (m / denom)
+
+    if MASKED:
+        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        if AMSGRAD:
+            tl.store(vmax_ptr + offs, vmax, mask=mask)
+    else:
+        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty))
+        tl.store(m_ptr + offs, m)
+        tl.store(v_ptr + offs, v)
+        if AMSGRAD:
+            tl.store(vmax_ptr + offs, vmax)
+
+
+@triton.jit
+def _adamw_kernel(
+    addr_ptr,  # int64 [6, n_tensors]: param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step
+    numel_ptr,  # int64 [n_tensors]
+    work_tensor_ptr,  # int64 [n_programs]: which tensor this program updates
+    work_start_ptr,  # int64 [n_programs]: first element of its chunk
+    n_tensors,
+    lr,  # float, or pointer to a device scalar when LR_IS_TENSOR
+    betas_ptr,  # fp64 [4] device tensor: beta1, beta2, 1 - beta1, 1 - beta2 (fp64: 1 - beta ** step keeps its digits)
+    eps, weight_decay,
+    clip_ptr,  # fp32 device scalar: clip coefficient (HAS_CLIP)
+    grad_scale_ptr,  # fp32 device scalar: GradScaler's scale (HAS_GRAD_SCALE)
+    found_inf_ptr,  # fp32 device scalar: non-zero skips the step (HAS_FOUND_INF)
+    P_KIND: tl.constexpr, G_KIND: tl.constexpr, ALIGNED: tl.constexpr,
+    LR_IS_TENSOR: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    if HAS_FOUND_INF:  # noqa: SIM102 - a constexpr test, then a runtime one
+        if tl.load(found_inf_ptr) != 0.0:
+            return
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(work_tensor_ptr + pid)
+    start = tl.load(work_start_ptr + pid)
+    n = tl.load(numel_ptr + t)
+
+    p_ptr = _typed_ptr(tl.load(addr_ptr + 0 * n_tensors + t), P_KIND, ALIGNED)
+    g_ptr = _typed_ptr(tl.load(addr_ptr + 1 * n_tensors + t), G_KIND, ALIGNED)
+    m_ptr = _typed_ptr(tl.load(addr_ptr + 2 * n_tensors + t), 0, ALIGNED)
+    v_ptr = _typed_ptr(tl.load(addr_ptr + 3 * n_tensors + t), 0, ALIGNED)
+    vmax_ptr = m_ptr  # unused unless AMSGRAD
+    if AMSGRAD:
+        vmax_ptr = _typed_ptr(tl.load(addr_ptr + 4 * n_tensors + t), 0, ALIGNED)
+    step_ptr = _typed_ptr(tl.load(addr_ptr + 5 * n_tensors + t), 0, False)
+
+    if LR_IS_TENSOR:  # noqa: SIM108
+        lr_val = tl.load(lr).to(tl.float32)
+    else:
+        lr_val = tl.cast(lr, tl.float32)
+    # Bias corrections in fp64: at step 1, 1 - 0.999 ** 1 in fp32 keeps 4 digits; torch's AdamW
+    # computes them in Python floats (fp64). Once per program, so free.
+    step = tl.load(step_ptr).to(tl.float64)  # already incremented for this step, as torch does
+    beta1_64 = tl.load(betas_ptr)
+    beta2_64 = tl.load(betas_ptr + 1)
+    bias_correction1 = 1.0 - _pow(beta1_64, step, USE_LIBDEVICE)
+    bias_correction2 = 1.0 - _pow(beta2_64, step, USE_LIBDEVICE)
+    step_size = (tl.cast(lr_val, tl.float64) / bias_correction1).to(tl.float32)
+    bc2_sqrt = tl.sqrt(bias_correction2).to(tl.float32)
+    beta1 = beta1_64.to(tl.float32)
+    beta2 = beta2_64.to(tl.float32)
+    one_minus_beta1 = tl.load(betas_ptr + 2).to(tl.float32)
+    one_minus_beta2 = tl.load(betas_ptr + 3).to(tl.float32)
+    decay = (1.0 - tl.cast(lr_val, tl.float64) * tl.cast(weight_decay, tl.float64)).to(tl.float32)
+    grad_mul = 1.0
+    if HAS_CLIP:
+        grad_mul = tl.load(clip_ptr)
+    grad_scale = 1.0
+    if HAS_GRAD_SCALE:
+        grad_scale = tl.load(grad_scale_ptr)
+
+    base = tl.arange(0, BLOCK_SIZE).to(tl.int64)
+    if start + CHUNK_SIZE <= n:
+        # a full chunk: no masks, so the loads can be vectorized
+        for i in tl.range(0, CHUNK_SIZE, BLOCK_SIZE):
+            offs = start + i + base
+            _adamw_block(
+                p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n,
+                decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
+                False, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE,
+            )  # fmt: skip
+    else:
+        # the tail chunk of a tensor: stop at its end (a 1-element bias does one block, not CHUNK/BLOCK)
+        for i in tl.range(0, n - start, BLOCK_SIZE):
+            offs = start + i + base
+            _adamw_block(
+                p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n,
+                decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
+                True, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE,
+            )  # fmt: skip
+
+
+
+
+@triton.jit
+def _norm_partial_kernel(
+    addr_ptr,  # int64 [n_tensors]: gradient addresses
+    numel_ptr, work_tensor_ptr, work_start_ptr,
+    partial_ptr,  # fp32 [n_programs]: sum of squares (or max |x|) of each chunk
+    G_KIND: tl.constexpr, ALIGNED: tl.constexpr, NORM_INF: tl.constexpr,
+    CHUNK_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(work_tensor_ptr + pid)
+    start = tl.load(work_start_ptr + pid)
+    n = tl.load(numel_ptr + t)
+    g_ptr = _typed_ptr(tl.load(addr_ptr + t), G_KIND, ALIGNED)
+    base = tl.arange(0, BLOCK_SIZE).to(tl.int64)
+    acc = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
+    if start + CHUNK_SIZE <= n:
+        for i in tl.range(0, CHUNK_SIZE, BLOCK_SIZE):
+            x = tl.load(g_ptr + start + i + base).to(tl.float32)
+            if NORM_INF:
+                acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+            else:
+                acc += x * x
+    else:
+        for i in tl.range(0, n - start, BLOCK_SIZE):
+            offs = start + i + base
+            x = tl.load(g_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+            if NORM_INF:
+                acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+            else:
+                acc += x * x
+    if NORM_INF:
+        # a NaN anywhere must survive the reduction, as it does in torch's norm
+        has_nan = tl.sum((acc != acc).to(tl.int32), axis=0) > 0
+        out = tl.max(acc, axis=0)
+        out = tl.where(has_nan, float("nan"), out)
+    else:
+        out = tl.sum(acc, axis=0)
+    tl.store(partial_ptr + pid, out)
+
+
+@triton.jit
+def _norm_per_tensor_kernel(
+    partial_ptr,  # fp32 [n_programs of the partial kernel]
+    first_chunk_ptr,  # int64 [n_tensors + 1]: tensor t owns partials [first[t], first[t+1])
+    out_ptr,  # fp32 [n_tensors]: the norm of each tensor
+    NORM_INF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    lo = tl.load(first_chunk_ptr + t)
+    hi = tl.load(first_chunk_ptr + t + 1)
+    base = tl.arange(0, BLOCK_SIZE).to(tl.int64)
+    acc = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
+    has_nan = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)
+    for i in tl.range(lo, hi, BLOCK_SIZE):
+        offs = i + base
+        x = tl.load(partial_ptr + offs, mask=offs < hi, other=0.0)
+        if NORM_INF:
+            has_nan += (x != x).to(tl.int32)
+            acc = tl.maximum(acc, x)
+        else:
+            acc += x
+    if NORM_INF:
+        out = tl.max(acc, axis=0)
+        out = tl.where(tl.sum(has_nan, axis=0) > 0, float("nan"), out)
+    else:
+        out = tl.sqrt(tl.sum(acc, axis=0))
+    tl.store(out_ptr + t, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def supported_dtype(dtype: torch.dtype) -> bool:
+    return dtype in DTYPE_CODES
+
+
+class TensorTable:
+    """Addresses, sizes and the (tensor, chunk) work table of a list of tensors, on their device.
+
+    Built on the host as one int64 buffer and copied to the device in one transfer; reused while the
+    addresses do not change (the optimizer keys its cache on them).
+    """
+
+    def __init__(self, rows: Sequence[Sequence[torch.Tensor | None]], device: torch.device, chunk: int = CHUNK):
+        n_tensors = len(rows[0])
+        numels = [t.numel() for t in rows[0]]
+        addrs = [[0 if t is None else t.data_ptr() for t in row] for row in rows]
+        work_tensor: list[int] = []
+        work_start: list[int] = []
+        first_chunk = [0]
+        for i, n in enumerate(numels):
+            starts = range(0, n, chunk)
+            work_tensor.extend([i] * len(starts))
+            work_start.extend(starts)
+            first_chunk.append(len(work_start))
+        flat = [a for row in addrs for a in row] + numels + work_tensor + work_start + first_chunk
+        host = torch.tensor(flat, dtype=torch.int64)
+        if device.type != "cpu":
+            host = host.pin_memory()
+        buf = host.to(device, non_blocking=True)
+        n_rows = len(rows)
+        n_work = len(work_start)
+        sizes = [n_rows * n_tensors, n_tensors, n_work, n_work, n_tensors + 1]
+        self.addrs, self.numels, self.work_tensor, self.work_start, self.first_chunk = torch.split(buf, sizes)
+        self.n_tensors = n_tensors
+        self.n_programs = n_work
+        self.chunk = chunk
+        # 16 bytes = one vectorized access; the allocator aligns to far more, but views need not be
+        self.aligned = all(a % 16 == 0 for row in addrs for a in row if a != 0)
+        self._host = host  # keep the pinned source alive until the copy has run
+
+
+def adamw_step(
+    table: TensorTable,
+    p_dtype: torch.dtype,
+    g_dtype: torch.dtype,
+    *,
+    lr: float | torch.Tensor,
+    betas: torch.Tensor,
+    eps: float,
+    weight_decay: float,
+    clip_coef: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    amsgrad: bool = False,
+    maximize: bool = False,
+) -> None:
+    """One AdamW step over every tensor in ``table`` (rows as in ROW_*; steps already incremented).
+
+    ``betas`` is an fp64 [beta1, beta2, 1 - beta1, 1 - beta2] tensor on the device; ``clip_coef``, ``grad_scale`` and ``found_inf`` are
+    fp32 device scalars read by the kernel.
+    """
+    if table.n_programs == 0:
+        return
+    dummy = table.numels  # any device pointer for the scalars a launch does not use
+    lr_is_tensor = isinstance(lr, torch.Tensor)
+    _adamw_kernel[(table.n_programs,)](
+        table.addrs, table.numels, table.work_tensor, table.work_start, table.n_tensors,
+        lr if lr_is_tensor else float(lr), betas, float(eps), float(weight_decay),
+        dummy if clip_coef is None else clip_coef,
+        dummy if grad_scale is None else grad_scale,
+        dummy if found_inf is None else found_inf,
+        P_KIND=DTYPE_CODES[p_dtype], G_KIND=DTYPE_CODES[g_dtype], ALIGNED=table.aligned,
+        LR_IS_TENSOR=lr_is_tensor, HAS_CLIP=clip_coef is not None, HAS_GRAD_SCALE=grad_scale is not None,
+        HAS_FOUND_INF=found_inf is not None, AMSGRAD=amsgrad, MAXIMIZE=maximize,
+        USE_LIBDEVICE=not interpreting(), CHUNK_SIZE=table.chunk, BLOCK_SIZE=BLOCK, num_warps=NUM_WARPS,
+    )  # fmt: skip
+
+
+def per_tensor_norms(table: TensorTable, g_dtype: torch.dtype, norm_type: float) -> torch.Tensor:
+    """fp32 [n_tensors]: the norm of each tensor of a one-row table (2-norm or inf-norm), in one pass."""
+    norm_inf = norm_type == float("inf")
+    if not norm_inf and norm_type != 2.0:
+        raise ValueError(f"the Triton norm kernel supports norm_type 2 and inf, got {norm_type}")
+    device = table.addrs.device
+    out = torch.empty(table.n_tensors, dtype=torch.float32, device=device)
+    if table.n_tensors == 0:
+        return out
+    partials = torch.empty(max(table.n_programs, 1), dtype=torch.float32, device=device)
+    if table.n_programs:
+        _norm_partial_kernel[(table.n_programs,)](
+            table.addrs, table.numels, table.work_tensor, table.work_start, partials,
+            G_KIND=DTYPE_CODES[g_dtype], ALIGNED=table.aligned, NORM_INF=norm_inf,
+            CHUNK_SIZE=table.chunk, BLOCK_SIZE=BLOCK, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    _norm_per_tensor_kernel[(table.n_tensors,)](
+        partials, table.first_chunk, out, NORM_INF=norm_inf, BLOCK_SIZE=BLOCK, num_warps=NUM_WARPS
+    )
+    return out

@@ -1,0 +1,68 @@
+"""Shared helpers of the optimizer tests: parameter sets, seeded gradients, runs against torch's AdamW."""
+
+from __future__ import annotations
+
+import torch
+
+# 0-d, 1, odd 1-D around block sizes, 2-D and 3-D
+SMALL_SHAPES = [(), (1,), (1023,), (4097,), (33, 65), (3, 5, 7)]
+LARGE_SHAPES = [*SMALL_SHAPES, (70_000,), (257, 515), (3, 129, 200)]
+
+
+def make_params(shapes, dtype=torch.float32, seed=0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def clone_params(params) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def two_groups(params, lr=1e-2):
+    """Two groups with different lr, betas and weight decay."""
+    half = len(params) // 2
+    return [
+        {"params": params[:half], "weight_decay": 0.1},
+        {"params": params[half:], "lr": lr * 0.3, "betas": (0.8, 0.99), "weight_decay": 0.0},
+    ]
+
+
+def set_grads(params_lists, step, scale=1.0, dtype=None):
+    """The same seeded gradient on the matching parameters of every list."""
+    g = torch.Generator().manual_seed(1000 + step)
+    for ps in zip(*params_lists, strict=True):
+        grad = torch.randn(ps[0].shape, generator=g) * scale
+        for p in ps:
+            p.grad = grad.to(dtype or p.dtype).clone()
+
+
+def run_pair(ours, ref, params_ours, params_ref, steps=20, clip=None, lr_change_at=10, grad_scale=1.0):
+    """Step both optimizers on identical gradients; return the norms each clip returned."""
+    norms = []
+    for step in range(steps):
+        set_grads([params_ours, params_ref], step, scale=grad_scale)
+        if clip is not None:
+            n_ours = ours.clip_grad_norm_(clip)
+            n_ref = torch.nn.utils.clip_grad_norm_(params_ref, clip)
+            norms.append((n_ours, n_ref))
+        ours.step()
+        ref.step()
+        if step == lr_change_at:
+            for opt in (ours, ref):
+                for group in opt.param_groups:
+                    group["lr"] = group["lr"] * 0.5
+    return norms
+
+
+def assert_params_close(ours, ref, rtol=1e-6, atol=1e-6):
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=rtol, atol=atol)
+
+
+def assert_bf16_close(ours, ref_fp32):
+    """bf16 parameters against an fp32 emulation rounded to bf16 every step: within one bf16 ulp."""
+    for a, b in zip(ours, ref_fp32, strict=True):
+        a32 = a.detach().float()
+        b32 = b.detach().float()
+        ulp = b32.abs().clamp_min(1e-30) * 2.0**-7
+        assert bool(((a32 - b32).abs() <= ulp + 1e-30).all()), (a32 - b32).abs().max()
