@@ -72,17 +72,41 @@ def _cross_entropy_chunk_kernel(
                 tl.store(row_ptr + offs, zeros, mask=offs < n_cols)
     else:
         _loss_and_grad_row(
-            row_ptr, label, scale_ptr + row * scale_stride, loss_ptr + row, lse_ptr + row, n_cols,
-            label_smoothing, z_loss, softcap, cols,
-            HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP, COMPUTE_GRAD, BLOCK_V,
+            row_ptr,
+            label,
+            scale_ptr + row * scale_stride,
+            loss_ptr + row,
+            lse_ptr + row,
+            n_cols,
+            label_smoothing,
+            z_loss,
+            softcap,
+            cols,
+            HAS_SMOOTHING,
+            HAS_Z_LOSS,
+            HAS_SOFTCAP,
+            COMPUTE_GRAD,
+            BLOCK_V,
         )
 
 
 @triton.jit
 def _loss_and_grad_row(
-    row_ptr, label, scale_ptr, loss_ptr, lse_ptr, n_cols, label_smoothing, z_loss, softcap, cols,
-    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    row_ptr,
+    label,
+    scale_ptr,
+    loss_ptr,
+    lse_ptr,
+    n_cols,
+    label_smoothing,
+    z_loss,
+    softcap,
+    cols,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     # pass 1: online log-sum-exp (+ sum of logits for label smoothing), fp32
     running_max = tl.full([], -float("inf"), tl.float32)

@@ -66,18 +66,31 @@ def make_inputs(n, h, v, *, dtype=torch.float32, ignore_frac=0.0, bias=False, se
     return cast, labels
 
 
-def run_both(n, h, v, opts, *, dtype, backend, reduction, ignore_frac=0.0, bias=False, chunk_rows=None, seed=0):
+def run_both(
+    n, h, v, opts, *, dtype, backend, reduction, ignore_frac=0.0, bias=False, chunk_rows=None, seed=0
+):
     """(ours, ref) pairs for the loss and every gradient, with a random upstream gradient."""
     from fasttrain.loss import fused_linear_cross_entropy
 
-    (hidden, weight, b), labels = make_inputs(n, h, v, dtype=dtype, ignore_frac=ignore_frac, bias=bias, seed=seed)
+    (hidden, weight, b), labels = make_inputs(
+        n, h, v, dtype=dtype, ignore_frac=ignore_frac, bias=bias, seed=seed
+    )
     ours_in = [t.clone().requires_grad_() if t is not None else None for t in (hidden, weight, b)]
     ref_in = [t.double().clone().requires_grad_() if t is not None else None for t in (hidden, weight, b)]
     ours = fused_linear_cross_entropy(
-        ours_in[0], ours_in[1], labels, ours_in[2], reduction=reduction, backend=backend, chunk_rows=chunk_rows, **opts
+        ours_in[0],
+        ours_in[1],
+        labels,
+        ours_in[2],
+        reduction=reduction,
+        backend=backend,
+        chunk_rows=chunk_rows,
+        **opts,
     )
     ref = reference_loss(ref_in[0], ref_in[1], labels, ref_in[2], reduction=reduction, **opts)
-    upstream = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64) + 0.5
+    upstream = (
+        torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64) + 0.5
+    )
     (ours * upstream.to(ours.dtype)).sum().backward()
     (ref * upstream).sum().backward()
     pairs = [("loss", ours.detach(), ref.detach())]

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from _loss_reference import make_inputs, norm_rel_err, reference_loss, rel_err, run_both
 
+from _loss_reference import make_inputs, norm_rel_err, reference_loss, rel_err, run_both
 from fasttrain.loss import default_chunk_rows, fused_linear_cross_entropy
 
 OPTION_SETS = {
@@ -31,12 +31,22 @@ def check(pairs, tol, err=rel_err):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("option", list(OPTION_SETS))
-@pytest.mark.parametrize(("n", "h", "v", "chunk_rows"), [(1, 16, 5, None), (37, 33, 5, 8), (423, 67, 257, None)])
+@pytest.mark.parametrize(
+    ("n", "h", "v", "chunk_rows"), [(1, 16, 5, None), (37, 33, 5, 8), (423, 67, 257, None)]
+)
 def test_small_vocab_matrix(n, h, v, chunk_rows, option, reduction):
     opts, ignore_frac, bias = OPTION_SETS[option]
     pairs = run_both(
-        n, h, v, opts, dtype=torch.float32, backend="torch", reduction=reduction,
-        ignore_frac=ignore_frac, bias=bias, chunk_rows=chunk_rows,
+        n,
+        h,
+        v,
+        opts,
+        dtype=torch.float32,
+        backend="torch",
+        reduction=reduction,
+        ignore_frac=ignore_frac,
+        bias=bias,
+        chunk_rows=chunk_rows,
     )
     check(pairs, FP32_TOL)
 
@@ -47,7 +57,15 @@ def test_small_vocab_matrix(n, h, v, chunk_rows, option, reduction):
 def test_large_vocab(n, h, v, option, reduction):
     opts, ignore_frac, bias = OPTION_SETS[option]
     pairs = run_both(
-        n, h, v, opts, dtype=torch.float32, backend="torch", reduction=reduction, ignore_frac=ignore_frac, bias=bias
+        n,
+        h,
+        v,
+        opts,
+        dtype=torch.float32,
+        backend="torch",
+        reduction=reduction,
+        ignore_frac=ignore_frac,
+        bias=bias,
     )
     check(pairs, FP32_TOL)
 
@@ -60,8 +78,16 @@ def test_half_precision(dtype, option, reduction):
     # to the input dtype (as the materialised model does), so the yardstick is a few bf16 ulps in norm.
     opts, ignore_frac, bias = OPTION_SETS[option]
     pairs = run_both(
-        423, 64, 1000, opts, dtype=dtype, backend="torch", reduction=reduction,
-        ignore_frac=ignore_frac, bias=bias, chunk_rows=100,
+        423,
+        64,
+        1000,
+        opts,
+        dtype=dtype,
+        backend="torch",
+        reduction=reduction,
+        ignore_frac=ignore_frac,
+        bias=bias,
+        chunk_rows=100,
     )
     check(pairs, 2e-2 if dtype == torch.bfloat16 else 4e-3, err=norm_rel_err)
 
@@ -69,7 +95,10 @@ def test_half_precision(dtype, option, reduction):
 @pytest.mark.parametrize("num_items", [7, 1000, torch.tensor(321)])
 def test_num_items_in_batch(num_items):
     opts = {"num_items_in_batch": num_items, "label_smoothing": 0.1}
-    check(run_both(423, 32, 300, opts, dtype=torch.float32, backend="torch", reduction="mean", ignore_frac=0.3), FP32_TOL)
+    check(
+        run_both(423, 32, 300, opts, dtype=torch.float32, backend="torch", reduction="mean", ignore_frac=0.3),
+        FP32_TOL,
+    )
 
 
 @pytest.mark.parametrize("num_items", [None, 5])
@@ -110,7 +139,9 @@ def test_no_tokens():
 
 def test_batched_shapes_and_none_shape():
     (hidden, weight, _), labels = make_inputs(3 * 11, 16, 40)
-    loss = fused_linear_cross_entropy(hidden.reshape(3, 11, 16), weight, labels.reshape(3, 11), reduction="none")
+    loss = fused_linear_cross_entropy(
+        hidden.reshape(3, 11, 16), weight, labels.reshape(3, 11), reduction="none"
+    )
     assert loss.shape == (3, 11) and loss.dtype == torch.float32
     ref = reference_loss(hidden, weight, labels, reduction="none").reshape(3, 11)
     assert rel_err(loss, ref) < FP32_TOL

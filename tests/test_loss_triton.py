@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+
 from _loss_reference import make_inputs, norm_rel_err, rel_err, run_both
 
 pytestmark = pytest.mark.skipif(
@@ -44,17 +45,26 @@ def test_kernel_several_vocab_blocks(case, block_v):
     ref_logits = logits.clone().requires_grad_()
     x = opts["softcap"] * torch.tanh(ref_logits / opts["softcap"]) if "softcap" in opts else ref_logits
     valid = labels != -100
-    per = torch.nn.functional.cross_entropy(
-        x, labels, reduction="none", label_smoothing=opts.get("label_smoothing", 0.0)
-    ) + opts.get("z_loss", 0.0) * torch.logsumexp(x, -1) ** 2
+    per = (
+        torch.nn.functional.cross_entropy(
+            x, labels, reduction="none", label_smoothing=opts.get("label_smoothing", 0.0)
+        )
+        + opts.get("z_loss", 0.0) * torch.logsumexp(x, -1) ** 2
+    )
     per = torch.where(valid, per, 0.0)
     (per * scale).sum().backward()
 
     ours = logits.float().to(_device()).contiguous()
     loss, lse = cross_entropy_chunk(
-        ours, labels.to(_device()), scale.float().to(_device()), ignore_index=-100,
-        label_smoothing=opts.get("label_smoothing", 0.0), z_loss=opts.get("z_loss", 0.0),
-        softcap=opts.get("softcap"), compute_grad=True, block_v=block_v,
+        ours,
+        labels.to(_device()),
+        scale.float().to(_device()),
+        ignore_index=-100,
+        label_smoothing=opts.get("label_smoothing", 0.0),
+        z_loss=opts.get("z_loss", 0.0),
+        softcap=opts.get("softcap"),
+        compute_grad=True,
+        block_v=block_v,
     )
     assert rel_err(loss.cpu(), per) < 1e-5
     assert rel_err(lse.cpu(), torch.where(valid, torch.logsumexp(x, -1), 0.0)) < 1e-5
@@ -68,8 +78,16 @@ def test_kernel_several_vocab_blocks(case, block_v):
 def test_function_triton_backend(n, h, v, case, reduction):
     opts, ignore_frac, bias = CASES[case]
     pairs = run_both(
-        n, h, v, opts, dtype=torch.float32, backend="triton", reduction=reduction,
-        ignore_frac=ignore_frac, bias=bias, chunk_rows=16,
+        n,
+        h,
+        v,
+        opts,
+        dtype=torch.float32,
+        backend="triton",
+        reduction=reduction,
+        ignore_frac=ignore_frac,
+        bias=bias,
+        chunk_rows=16,
     )
     for name, ours, ref in pairs:
         assert rel_err(ours, ref) < 1e-5, name
@@ -79,8 +97,16 @@ def test_function_triton_backend(n, h, v, case, reduction):
 def test_function_triton_bf16(case):
     opts, ignore_frac, bias = CASES[case]
     pairs = run_both(
-        24, 32, 700, opts, dtype=torch.bfloat16, backend="triton", reduction="mean",
-        ignore_frac=ignore_frac, bias=bias, chunk_rows=8,
+        24,
+        32,
+        700,
+        opts,
+        dtype=torch.bfloat16,
+        backend="triton",
+        reduction="mean",
+        ignore_frac=ignore_frac,
+        bias=bias,
+        chunk_rows=8,
     )
     for name, ours, ref in pairs:
         assert norm_rel_err(ours, ref) < 2e-2, name
@@ -91,11 +117,15 @@ def test_triton_matches_torch_backend_bf16():
     # rounded to bf16 from slightly different fp32 values, so they agree to about one bf16 ulp
     from fasttrain.loss import fused_linear_cross_entropy
 
-    (hidden, weight, bias), labels = make_inputs(20, 16, 600, dtype=torch.bfloat16, ignore_frac=0.2, bias=True)
+    (hidden, weight, bias), labels = make_inputs(
+        20, 16, 600, dtype=torch.bfloat16, ignore_frac=0.2, bias=True
+    )
     grads = []
     for backend in ("torch", "triton"):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        loss = fused_linear_cross_entropy(h, w, labels, bias, z_loss=1e-3, label_smoothing=0.1, backend=backend)
+        loss = fused_linear_cross_entropy(
+            h, w, labels, bias, z_loss=1e-3, label_smoothing=0.1, backend=backend
+        )
         loss.backward()
         grads.append((loss.detach(), h.grad, w.grad))
     (loss_a, *grads_a), (loss_b, *grads_b) = grads
@@ -107,7 +137,12 @@ def test_triton_matches_torch_backend_bf16():
 @pytest.mark.slow
 def test_function_triton_vocab_above_65536():
     pairs = run_both(
-        5, 8, 70_001, {"label_smoothing": 0.1, "softcap": 5.0}, dtype=torch.float32, backend="triton",
+        5,
+        8,
+        70_001,
+        {"label_smoothing": 0.1, "softcap": 5.0},
+        dtype=torch.float32,
+        backend="triton",
         reduction="mean",
     )
     for name, ours, ref in pairs:

@@ -72,7 +72,9 @@ def _triton_importable() -> bool:
     return True
 
 
-def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
+def _accumulate_weight_grad(
+    grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor
+) -> None:
     """grad_weight (fp32) += grad_logits.T @ hidden, with fp32 accumulation for bf16/fp16 inputs."""
     if grad_logits.dtype == torch.float32:
         grad_weight.addmm_(grad_logits.t(), hidden)
@@ -104,7 +106,11 @@ def _run_chunks(
     compute_grad = scale is not None and any(needs)
     loss = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if compute_grad and needs[0] else None
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if compute_grad and needs[1] else None
+    grad_weight = (
+        torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        if compute_grad and needs[1]
+        else None
+    )
     grad_bias = (
         torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
         if compute_grad and needs[2] and bias is not None
@@ -143,7 +149,11 @@ def _run_chunks(
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, denominator, opts):  # type: ignore[override]
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        needs = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            bias is not None and ctx.needs_input_grad[2],
+        )
         ctx.reduction = opts["reduction"]
         ctx.opts = opts
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -218,9 +228,13 @@ def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
 
 def _validate(hidden, weight, bias, labels, reduction, label_smoothing, z_loss, softcap, backend, num_items):
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
-        raise TypeError(f"hidden must be a floating-point tensor, got {getattr(hidden, 'dtype', type(hidden))}")
+        raise TypeError(
+            f"hidden must be a floating-point tensor, got {getattr(hidden, 'dtype', type(hidden))}"
+        )
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"weight must be a 2-D [vocab, hidden] tensor, got shape {tuple(getattr(weight, 'shape', ()))}")
+        raise ValueError(
+            f"weight must be a 2-D [vocab, hidden] tensor, got shape {tuple(getattr(weight, 'shape', ()))}"
+        )
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"hidden's last dimension ({hidden.shape[-1] if hidden.dim() else None}) must equal weight's "
@@ -283,7 +297,9 @@ def fused_linear_cross_entropy(
     or ``"torch"``. ``chunk_rows`` overrides the chunk size rule (``default_chunk_rows``). Under autocast
     the matmul runs in the autocast dtype, like ``nn.Linear``.
     """
-    _validate(hidden, weight, bias, labels, reduction, label_smoothing, z_loss, softcap, backend, num_items_in_batch)
+    _validate(
+        hidden, weight, bias, labels, reduction, label_smoothing, z_loss, softcap, backend, num_items_in_batch
+    )
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         cast = torch.get_autocast_dtype(device_type)
@@ -294,7 +310,11 @@ def fused_linear_cross_entropy(
     labels_1d = labels.reshape(-1).to(device=hidden.device, dtype=torch.int64)
     _check_labels(labels_1d, weight.shape[0], ignore_index)
     n_tokens = hidden_2d.shape[0]
-    rows = chunk_rows if chunk_rows is not None else default_chunk_rows(n_tokens, weight.shape[1], weight.shape[0])
+    rows = (
+        chunk_rows
+        if chunk_rows is not None
+        else default_chunk_rows(n_tokens, weight.shape[1], weight.shape[0])
+    )
     if rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {rows}")
 

@@ -50,7 +50,13 @@ from torch import nn
 from .._logging import log_once
 from .function import fused_linear_cross_entropy
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "disable_fused_loss", "enable_fused_loss", "fused_loss_enabled", "set_eval_fused"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "disable_fused_loss",
+    "enable_fused_loss",
+    "fused_loss_enabled",
+    "set_eval_fused",
+]
 
 # Causal-LM classes whose forward is "backbone -> lm_head (-> final_logit_softcapping) -> loss_function",
 # checked against their transformers sources. Others keep their own path.
@@ -116,7 +122,7 @@ def _shard_problem(weight: torch.Tensor) -> str | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
-        DTensor = ()  # noqa: N806
+        DTensor = ()
     if isinstance(weight, DTensor):
         return "the output weight is a sharded FSDP2 DTensor (lm_head sharded on its own)"
     if hasattr(weight, "ds_id"):
@@ -154,7 +160,10 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     head = self.get_output_embeddings()
     problem = _shard_problem(head.weight)
     if problem is not None:
-        log_once(f"fused-loss-shard:{problem}", f"fasttrain fused loss: {problem}; keeping the model's own loss path")
+        log_once(
+            f"fused-loss-shard:{problem}",
+            f"fasttrain fused loss: {problem}; keeping the model's own loss path",
+        )
         return state.original_forward(*args, **kwargs)
 
     for name in _NOT_BACKBONE_ARGS:
