@@ -1,0 +1,265 @@
+"""Fused-linear cross-entropy inside causal-LM models: a per-instance forward wrapper.
+
+``enable_fused_loss(model)`` replaces ``forward`` on the causal-LM *instance* (found under PEFT, DDP and
+``torch.compile`` wrappers; the class is never touched, nor ``LOSS_MAPPING``, which the Trainer checks
+by identity). The wrapper decides per call:
+
+    fused path  iff  labels is not None
+                and  (model.training  or  set_eval_fused(model, True) is in force)
+                and  logits_to_keep is 0/None, return_dict is not False
+                and  the model's loss_function is transformers' ForCausalLMLoss (no custom loss)
+                and  the output weight is a whole local tensor (not a sharded FSDP2 DTensor, not a
+                     partitioned ZeRO-3 parameter)
+
+Otherwise the model's own forward runs unchanged (with logits). So generation and calls without labels
+keep logits; evaluation keeps logits unless the caller says it only needs the loss
+(``set_eval_fused(model, True)``, meant for the Trainer's ``prediction_loss_only`` evaluation).
+
+The fused path runs the backbone (``model.<base_model_prefix>``) with the same arguments the model's
+forward would pass it, then computes exactly ``ForCausalLMLoss``: labels padded with ``ignore_index``
+and shifted left by one (or ``shift_labels`` as given), the sum of token losses divided by
+``num_items_in_batch`` when given, else the mean over non-ignored tokens; Gemma2/Gemma3's
+``final_logit_softcapping`` is applied as ``softcap``. It returns ``CausalLMOutputWithPast`` with
+``logits=None`` and the backbone's cache / hidden states / attentions.
+
+"Equal" to the unpatched model: in fp32, loss and gradients agree to float rounding (~1e-6 relative).
+In bf16 the reference rounds the logits to bf16 (and applies the softcap in bf16) before its fp32
+loss; we compute the same bf16 logits chunk by chunk but softcap in fp32 and accumulate the weight
+gradient in fp32, so bf16 results agree to bf16 precision (a few 1e-3 relative), not bit for bit.
+
+Distributed: under FSDP2 with the output layer in the root unit (the usual layout: only decoder layers
+are sharded separately) the root's forward has already unsharded ``lm_head.weight``, which we read as a
+plain tensor and whose gradient FSDP2 reduce-scatters as usual. If the weight is still a sharded DTensor
+at call time (lm_head sharded on its own), or is a DeepSpeed ZeRO-3 partitioned parameter (``ds_id``;
+gathered only inside lm_head's own forward hooks), reading it directly would use a shard, so the call
+takes the model's own path and says so once in the log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._logging import log_once
+from .function import fused_linear_cross_entropy
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "disable_fused_loss",
+    "enable_fused_loss",
+    "fused_loss_enabled",
+    "set_eval_fused",
+]
+
+# Causal-LM classes whose forward is "backbone -> lm_head (-> final_logit_softcapping) -> loss_function",
+# checked against their transformers sources. Others keep their own path.
+SUPPORTED_ARCHITECTURES = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "GemmaForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Phi3ForCausalLM",
+        "Olmo2ForCausalLM",
+    }
+)
+
+_STATE_ATTR = "_fasttrain_fused_loss"
+_NOT_BACKBONE_ARGS = ("labels", "logits_to_keep")
+
+
+@dataclasses.dataclass
+class _FusedLossState:
+    original_forward: Callable[..., Any]
+    instance_forward: Any  # the instance attribute `forward` had before, or _MISSING
+    signature: inspect.Signature
+    var_kwargs_name: str | None
+    softcap: float | None
+    active: bool = True
+    eval_fused: bool = False
+
+
+_MISSING = object()
+
+
+def find_causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers model under DDP / torch.compile / PEFT wrappers."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif hasattr(model, "get_base_model") and callable(model.get_base_model):  # peft.PeftModel
+            model = model.get_base_model()
+    return model
+
+
+def _unsupported_reason(model: nn.Module) -> str | None:
+    name = type(model).__name__
+    if name not in SUPPORTED_ARCHITECTURES or not type(model).__module__.startswith("transformers.models."):
+        return f"{name} is not a causal LM the fused loss knows (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        return f"{name}'s output layer is {type(head).__name__}, not a plain nn.Linear (e.g. LoRA on lm_head)"
+    if not isinstance(getattr(model, getattr(model, "base_model_prefix", ""), None), nn.Module):
+        return f"{name} has no backbone at .{getattr(model, 'base_model_prefix', '?')}"
+    return None
+
+
+def _shard_problem(weight: torch.Tensor) -> str | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        DTensor = ()
+    if isinstance(weight, DTensor):
+        return "the output weight is a sharded FSDP2 DTensor (lm_head sharded on its own)"
+    if hasattr(weight, "ds_id"):
+        return "the output weight is a DeepSpeed ZeRO-3 partitioned parameter"
+    return None
+
+
+def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    state: _FusedLossState = self.__dict__[_STATE_ATTR]
+    if not state.active:
+        return state.original_forward(*args, **kwargs)
+    try:
+        arguments = dict(state.signature.bind(*args, **kwargs).arguments)
+    except TypeError:
+        return state.original_forward(*args, **kwargs)  # let the model raise its own error
+    if state.var_kwargs_name is not None:
+        arguments.update(arguments.pop(state.var_kwargs_name, {}))
+
+    labels = arguments.get("labels")
+    if (
+        labels is None
+        or not (self.training or state.eval_fused)
+        or arguments.get("return_dict") is False
+        or arguments.get("logits_to_keep") not in (None, 0)
+    ):
+        return state.original_forward(*args, **kwargs)
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    if self.loss_function is not ForCausalLMLoss:
+        log_once(
+            f"fused-loss-custom:{id(self)}",
+            f"fasttrain fused loss: {type(self).__name__} has a custom loss_function; keeping its own path",
+        )
+        return state.original_forward(*args, **kwargs)
+    head = self.get_output_embeddings()
+    problem = _shard_problem(head.weight)
+    if problem is not None:
+        log_once(
+            f"fused-loss-shard:{problem}",
+            f"fasttrain fused loss: {problem}; keeping the model's own loss path",
+        )
+        return state.original_forward(*args, **kwargs)
+
+    for name in _NOT_BACKBONE_ARGS:
+        arguments.pop(name, None)
+    # the model's forward hands its **kwargs (num_items_in_batch, shift_labels, ...) to the backbone too
+    outputs = getattr(self, self.base_model_prefix)(**arguments)
+    hidden = outputs[0]  # [batch, seq, hidden]
+
+    ignore_index = arguments.get("ignore_index", -100)
+    shift_labels = arguments.get("shift_labels")
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    loss = fused_linear_cross_entropy(
+        hidden,
+        head.weight,
+        shift_labels.to(hidden.device),
+        head.bias,
+        ignore_index=ignore_index,
+        softcap=state.softcap,
+        reduction="mean",
+        num_items_in_batch=arguments.get("num_items_in_batch"),
+    )
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} - {"loss", "logits"}
+    return CausalLMOutputWithPast(loss=loss, logits=None, **{k: v for k, v in outputs.items() if k in fields})
+
+
+def _state(model: nn.Module) -> _FusedLossState | None:
+    return find_causal_lm(model).__dict__.get(_STATE_ATTR)
+
+
+def enable_fused_loss(model: nn.Module) -> str | None:
+    """Wrap the causal LM's forward (this instance only). Returns None when enabled, else a short reason
+    why the model keeps its own path (also logged once). Idempotent."""
+    target = find_causal_lm(model)
+    state = target.__dict__.get(_STATE_ATTR)
+    if state is not None:
+        state.active = True
+        return None
+    reason = _unsupported_reason(target)
+    if reason is not None:
+        log_once(f"fused-loss-unsupported:{type(target).__name__}", f"fasttrain fused loss off: {reason}")
+        return reason
+    original = target.forward
+    signature = inspect.signature(original)
+    var_kwargs = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    softcap = getattr(target.config, "final_logit_softcapping", None)
+    target.__dict__[_STATE_ATTR] = _FusedLossState(
+        original_forward=original,
+        instance_forward=target.__dict__.get("forward", _MISSING),
+        signature=signature,
+        var_kwargs_name=var_kwargs,
+        softcap=float(softcap) if softcap else None,
+    )
+    # A bound method (not a plain function) so wrappers that take `model.forward.__func__` (Accelerate's
+    # mixed-precision output conversion) keep working; `wraps` keeps the signature the Trainer inspects.
+    target.forward = types.MethodType(_bound_wrapper(original), target)
+    return None
+
+
+def _bound_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(getattr(original, "__func__", original))
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return _fused_forward(self, *args, **kwargs)
+
+    forward._fasttrain_fused = True  # type: ignore[attr-defined]
+    return forward
+
+
+def disable_fused_loss(model: nn.Module) -> None:
+    """Restore the original forward exactly. If something has wrapped our forward since, the wrapper
+    stays in place but passes every call straight to the original forward."""
+    target = find_causal_lm(model)
+    state = target.__dict__.get(_STATE_ATTR)
+    if state is None:
+        return
+    current = target.__dict__.get("forward")
+    if getattr(getattr(current, "__func__", None), "_fasttrain_fused", False):
+        if state.instance_forward is _MISSING:
+            del target.forward
+        else:
+            target.forward = state.instance_forward
+        del target.__dict__[_STATE_ATTR]
+    else:
+        state.active = False
+
+
+def fused_loss_enabled(model: nn.Module) -> bool:
+    state = _state(model)
+    return state is not None and state.active
+
+
+def set_eval_fused(model: nn.Module, enabled: bool) -> None:
+    """Let evaluation (``model.training`` False) with labels take the fused path (``logits=None``): for
+    callers that only need the loss, e.g. the Trainer's ``prediction_loss_only`` evaluation."""
+    state = _state(model)
+    if state is not None:
+        state.eval_fused = bool(enabled)

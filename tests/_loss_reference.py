@@ -1,0 +1,101 @@
+"""Float64 reference for fused_linear_cross_entropy and the comparison helpers the loss tests share."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reference_loss(
+    hidden,
+    weight,
+    labels,
+    bias=None,
+    *,
+    ignore_index=-100,
+    label_smoothing=0.0,
+    z_loss=0.0,
+    softcap=None,
+    reduction="mean",
+    num_items_in_batch=None,
+):
+    """Materialised logits in float64; the DESIGN.md contract (0 instead of NaN for an empty mean)."""
+    logits = hidden.double().reshape(-1, hidden.shape[-1]) @ weight.double().t()
+    if bias is not None:
+        logits = logits + bias.double()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    flat = labels.reshape(-1)
+    valid = flat != ignore_index
+    per_token = F.cross_entropy(
+        logits, flat, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none"
+    )
+    per_token = per_token + z_loss * torch.logsumexp(logits, dim=-1) ** 2
+    per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
+    if reduction == "none":
+        return per_token.reshape(labels.shape)
+    if reduction == "sum":
+        return per_token.sum()
+    denominator = valid.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
+    if float(denominator) == 0:
+        return per_token.sum() * 0.0
+    return per_token.sum() / denominator
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |ours - ref| / max |ref| (a relative error that a single tiny entry cannot blow up)."""
+    ours, ref = ours.detach().double(), ref.detach().double()
+    return float((ours - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+
+
+def norm_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """||ours - ref|| / ||ref||: the bf16 yardstick (per-element bf16 rounding averages out)."""
+    ours, ref = ours.detach().double(), ref.detach().double()
+    return float((ours - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def make_inputs(n, h, v, *, dtype=torch.float32, ignore_frac=0.0, bias=False, seed=0, ignore_index=-100):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) * (2.0 / h**0.5)
+    b = torch.randn(v, generator=g, dtype=torch.float64) * 0.5 if bias else None
+    labels = torch.randint(0, v, (n,), generator=g)
+    if ignore_frac:
+        labels[torch.rand(n, generator=g) < ignore_frac] = ignore_index
+    cast = [hidden.to(dtype), weight.to(dtype), None if b is None else b.to(dtype)]
+    return cast, labels
+
+
+def run_both(
+    n, h, v, opts, *, dtype, backend, reduction, ignore_frac=0.0, bias=False, chunk_rows=None, seed=0
+):
+    """(ours, ref) pairs for the loss and every gradient, with a random upstream gradient."""
+    from fasttrain.loss import fused_linear_cross_entropy
+
+    (hidden, weight, b), labels = make_inputs(
+        n, h, v, dtype=dtype, ignore_frac=ignore_frac, bias=bias, seed=seed
+    )
+    ours_in = [t.clone().requires_grad_() if t is not None else None for t in (hidden, weight, b)]
+    ref_in = [t.double().clone().requires_grad_() if t is not None else None for t in (hidden, weight, b)]
+    ours = fused_linear_cross_entropy(
+        ours_in[0],
+        ours_in[1],
+        labels,
+        ours_in[2],
+        reduction=reduction,
+        backend=backend,
+        chunk_rows=chunk_rows,
+        **opts,
+    )
+    ref = reference_loss(ref_in[0], ref_in[1], labels, ref_in[2], reduction=reduction, **opts)
+    upstream = (
+        torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64) + 0.5
+    )
+    (ours * upstream.to(ours.dtype)).sum().backward()
+    (ref * upstream).sum().backward()
+    pairs = [("loss", ours.detach(), ref.detach())]
+    for name, o, r in zip(("hidden", "weight", "bias"), ours_in, ref_in, strict=True):
+        if o is not None:
+            assert o.grad is not None and o.grad.dtype == o.dtype, name
+            pairs.append((f"grad_{name}", o.grad, r.grad))
+    return pairs

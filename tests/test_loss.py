@@ -1,0 +1,219 @@
+"""fused_linear_cross_entropy (PyTorch backend) against a float64 reference: values and all gradients."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from _loss_reference import make_inputs, norm_rel_err, reference_loss, rel_err, run_both
+from fasttrain.loss import default_chunk_rows, fused_linear_cross_entropy
+
+OPTION_SETS = {
+    "plain": ({}, 0.0, False),
+    "ignore": ({}, 0.3, False),
+    "smoothing": ({"label_smoothing": 0.1}, 0.0, False),
+    "z_loss": ({"z_loss": 1e-3}, 0.0, False),
+    "softcap": ({"softcap": 2.0}, 0.0, False),
+    "bias": ({}, 0.0, True),
+    "all": ({"label_smoothing": 0.2, "z_loss": 1e-3, "softcap": 3.0}, 0.25, True),
+}
+FP32_TOL = 1e-5
+
+
+def check(pairs, tol, err=rel_err):
+    for name, ours, ref in pairs:
+        assert torch.isfinite(ours).all(), name
+        e = err(ours, ref)
+        assert e < tol, f"{name}: relative error {e:.2e} >= {tol:.0e}"
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("option", list(OPTION_SETS))
+@pytest.mark.parametrize(
+    ("n", "h", "v", "chunk_rows"), [(1, 16, 5, None), (37, 33, 5, 8), (423, 67, 257, None)]
+)
+def test_small_vocab_matrix(n, h, v, chunk_rows, option, reduction):
+    opts, ignore_frac, bias = OPTION_SETS[option]
+    pairs = run_both(
+        n,
+        h,
+        v,
+        opts,
+        dtype=torch.float32,
+        backend="torch",
+        reduction=reduction,
+        ignore_frac=ignore_frac,
+        bias=bias,
+        chunk_rows=chunk_rows,
+    )
+    check(pairs, FP32_TOL)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("option", ["plain", "all"])
+@pytest.mark.parametrize(("n", "h", "v"), [(37, 33, 32_000), (423, 24, 32_000), (37, 17, 65_621)])
+def test_large_vocab(n, h, v, option, reduction):
+    opts, ignore_frac, bias = OPTION_SETS[option]
+    pairs = run_both(
+        n,
+        h,
+        v,
+        opts,
+        dtype=torch.float32,
+        backend="torch",
+        reduction=reduction,
+        ignore_frac=ignore_frac,
+        bias=bias,
+    )
+    check(pairs, FP32_TOL)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("option", ["plain", "all"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype, option, reduction):
+    # Reference: float64 on the same (already rounded) inputs. Ours rounds the logits and their gradients
+    # to the input dtype (as the materialised model does), so the yardstick is a few bf16 ulps in norm.
+    opts, ignore_frac, bias = OPTION_SETS[option]
+    pairs = run_both(
+        423,
+        64,
+        1000,
+        opts,
+        dtype=dtype,
+        backend="torch",
+        reduction=reduction,
+        ignore_frac=ignore_frac,
+        bias=bias,
+        chunk_rows=100,
+    )
+    check(pairs, 2e-2 if dtype == torch.bfloat16 else 4e-3, err=norm_rel_err)
+
+
+@pytest.mark.parametrize("num_items", [7, 1000, torch.tensor(321)])
+def test_num_items_in_batch(num_items):
+    opts = {"num_items_in_batch": num_items, "label_smoothing": 0.1}
+    check(
+        run_both(423, 32, 300, opts, dtype=torch.float32, backend="torch", reduction="mean", ignore_frac=0.3),
+        FP32_TOL,
+    )
+
+
+@pytest.mark.parametrize("num_items", [None, 5])
+def test_all_ignored_gives_zero_and_no_nan(num_items):
+    (hidden, weight, _), labels = make_inputs(40, 16, 50)
+    labels[:] = -100
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    loss = fused_linear_cross_entropy(hidden, weight, labels, num_items_in_batch=num_items, chunk_rows=8)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.all(hidden.grad == 0) and torch.all(weight.grad == 0)
+
+
+def test_one_chunk_fully_ignored():
+    opts = {"z_loss": 1e-3}
+    (hidden, weight, _), labels = make_inputs(64, 16, 50, seed=3)
+    labels[:32] = -100  # the whole first chunk
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2, w2 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ours = fused_linear_cross_entropy(h1, w1, labels, chunk_rows=32, **opts)
+    ref = reference_loss(h2, w2, labels, **opts)
+    ours.backward()
+    ref.backward()
+    check([("loss", ours, ref), ("h", h1.grad, h2.grad), ("w", w1.grad, w2.grad)], FP32_TOL)
+
+
+def test_no_tokens():
+    hidden = torch.zeros(0, 8, requires_grad=True)
+    weight = torch.randn(10, 8, requires_grad=True)
+    labels = torch.zeros(0, dtype=torch.long)
+    for reduction in ("mean", "sum"):
+        loss = fused_linear_cross_entropy(hidden, weight, labels, reduction=reduction)
+        loss.backward()
+        assert loss.item() == 0.0
+    assert fused_linear_cross_entropy(hidden, weight, labels, reduction="none").shape == (0,)
+
+
+def test_batched_shapes_and_none_shape():
+    (hidden, weight, _), labels = make_inputs(3 * 11, 16, 40)
+    loss = fused_linear_cross_entropy(
+        hidden.reshape(3, 11, 16), weight, labels.reshape(3, 11), reduction="none"
+    )
+    assert loss.shape == (3, 11) and loss.dtype == torch.float32
+    ref = reference_loss(hidden, weight, labels, reduction="none").reshape(3, 11)
+    assert rel_err(loss, ref) < FP32_TOL
+
+
+def test_only_weight_requires_grad_and_no_grad_mode():
+    (hidden, weight, _), labels = make_inputs(50, 16, 40)
+    weight.requires_grad_()
+    fused_linear_cross_entropy(hidden, weight, labels).backward()
+    w2 = weight.detach().double().requires_grad_()
+    reference_loss(hidden, w2, labels).backward()
+    assert rel_err(weight.grad, w2.grad) < FP32_TOL
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(hidden, weight, labels)
+    assert not loss.requires_grad
+
+
+def test_autocast_matches_linear_under_autocast():
+    (hidden, weight, _), labels = make_inputs(64, 32, 100)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = fused_linear_cross_entropy(h1, w1, labels)
+        ref = torch.nn.functional.cross_entropy(torch.nn.functional.linear(h2, w2).float(), labels)
+    ours.backward()
+    ref.backward()
+    assert w1.grad.dtype == torch.float32
+    check([("loss", ours, ref), ("h", h1.grad, h2.grad), ("w", w1.grad, w2.grad)], 1e-2, err=norm_rel_err)
+
+
+def test_second_backward_fails_loudly():
+    (hidden, weight, _), labels = make_inputs(10, 8, 20)
+    hidden.requires_grad_()
+    loss = fused_linear_cross_entropy(hidden, weight, labels)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+
+
+def test_default_chunk_rows_rule():
+    # logits chunk about the size of the hidden states, power of two, >= 32 rows, <= tokens
+    assert default_chunk_rows(4096, 512, 151_936) == 32
+    assert default_chunk_rows(32_768, 4096, 151_936) == 1024
+    assert default_chunk_rows(8192, 4096, 128_256) == 512
+    assert default_chunk_rows(10, 4096, 1000) == 10
+    assert default_chunk_rows(1000, 64, 5) == 1000
+    rows = default_chunk_rows(16_384, 4096, 151_936)
+    assert rows * 151_936 >= 16_384 * 4096 and math.log2(rows).is_integer()
+
+
+def _inputs():
+    (hidden, weight, _), labels = make_inputs(6, 8, 20)
+    return hidden, weight, labels
+
+
+@pytest.mark.parametrize(
+    ("mutate", "exc", "match"),
+    [
+        (lambda h, w, y: (h.double(), w, y, {}), TypeError, "weight dtype"),
+        (lambda h, w, y: (h, w[:, :5], y, {}), ValueError, "last dimension"),
+        (lambda h, w, y: (h, w, y.float(), {}), TypeError, "integer"),
+        (lambda h, w, y: (h, w, y[:3], {}), ValueError, "one entry per token"),
+        (lambda h, w, y: (h, w, y.index_fill(0, torch.tensor([4]), 20), {}), ValueError, r"labels\[4\] = 20"),
+        (lambda h, w, y: (h, w, y, {"reduction": "avg"}), ValueError, "reduction"),
+        (lambda h, w, y: (h, w, y, {"backend": "cuda"}), ValueError, "backend"),
+        (lambda h, w, y: (h, w, y, {"reduction": "sum", "num_items_in_batch": 3}), ValueError, "num_items"),
+        (lambda h, w, y: (h, w, y, {"label_smoothing": 1.5}), ValueError, "label_smoothing"),
+        (lambda h, w, y: (h, w, y, {"softcap": 0.0}), ValueError, "softcap"),
+        (lambda h, w, y: (h, w, y, {"bias": torch.zeros(3)}), ValueError, "bias"),
+    ],
+)
+def test_bad_input(mutate, exc, match):
+    hidden, weight, labels, kwargs = mutate(*_inputs())
+    with pytest.raises(exc, match=match):
+        fused_linear_cross_entropy(hidden, weight, labels, **kwargs)

@@ -1,0 +1,302 @@
+"""The fused-loss forward wrapper against the unpatched transformers model: loss and every gradient."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import transformers
+
+from fasttrain.loss.model_patch import (
+    disable_fused_loss,
+    enable_fused_loss,
+    fused_loss_enabled,
+    set_eval_fused,
+)
+
+VOCAB = 211
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)),
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, head_dim=16)),
+    "qwen3_tied": lambda: transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True)
+    ),
+    "gemma2_softcap": lambda: transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(**COMMON, head_dim=16, final_logit_softcapping=2.0)
+    ),
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON)),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON)),
+    "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**COMMON, pad_token_id=0)),
+}
+TOL = 2e-5
+
+
+def pair(name, seed=0):
+    torch.manual_seed(seed)
+    ref = CONFIGS[name]().float().train()
+    ours = copy.deepcopy(ref)
+    assert enable_fused_loss(ours) is None
+    assert fused_loss_enabled(ours)
+    return ref, ours
+
+
+def batch(seed=0, b=3, t=13):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (b, t), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, -4:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, :5] = -100  # a masked prompt
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def assert_same_grads(ref, ours, tol=TOL):
+    named = dict(ours.named_parameters())
+    for name, p in ref.named_parameters():
+        q = named[name]
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is None:
+            continue
+        err = float((p.grad - q.grad).abs().max() / p.grad.abs().max().clamp(min=1e-12))
+        assert err < tol, f"{name}: relative gradient error {err:.2e}"
+
+
+def rel(a, b):
+    return float((a.detach() - b.detach()).abs() / b.detach().abs())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("num_items", [None, 17])
+def test_loss_and_grads_equal_unpatched(name, num_items):
+    ref, ours = pair(name)
+    inputs = batch()
+    extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    out_ref = ref(**inputs, **extra)
+    out = ours(**inputs, **extra)
+    assert out.logits is None and out_ref.logits is not None
+    assert rel(out.loss, out_ref.loss) < TOL
+    out_ref.loss.backward()
+    out.loss.backward()
+    assert_same_grads(ref, ours)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2_softcap"])
+def test_shift_labels(name):
+    ref, ours = pair(name)
+    inputs = batch(seed=1)
+    labels = inputs.pop("labels")
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    shift[2, :3] = -100
+    kwargs = {"labels": labels, "shift_labels": shift}
+    out_ref, out = ref(**inputs, **kwargs), ours(**inputs, **kwargs)
+    assert rel(out.loss, out_ref.loss) < TOL
+    out_ref.loss.backward()
+    out.loss.backward()
+    assert_same_grads(ref, ours)
+
+
+def test_gradient_checkpointing():
+    ref, ours = pair("qwen3")
+    for m in (ref, ours):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.config.use_cache = False
+    inputs = batch(seed=2)
+    out_ref, out = ref(**inputs), ours(**inputs)
+    assert rel(out.loss, out_ref.loss) < TOL
+    out_ref.loss.backward()
+    out.loss.backward()
+    assert_same_grads(ref, ours)
+
+
+def test_paths_that_keep_logits():
+    ref, ours = pair("llama")
+    inputs = batch()
+    # no labels: logits, no loss
+    no_labels = {k: v for k, v in inputs.items() if k != "labels"}
+    out = ours(**no_labels)
+    assert out.loss is None and torch.allclose(out.logits, ref(**no_labels).logits)
+    # evaluation keeps logits unless told the loss is all that is needed
+    ref.eval()
+    ours.eval()
+    with torch.no_grad():
+        expected = ref(**inputs)
+        kept = ours(**inputs)
+        assert kept.logits is not None and rel(kept.loss, expected.loss) < TOL
+        set_eval_fused(ours, True)
+        fused = ours(**inputs)
+        assert fused.logits is None and rel(fused.loss, expected.loss) < TOL
+        set_eval_fused(ours, False)
+        assert ours(**inputs).logits is not None
+        # return_dict=False and logits_to_keep go to the model's own path
+        assert ours.train()(**inputs, return_dict=False)[1] is not None
+        assert ours(**no_labels, logits_to_keep=1).logits.shape[1] == 1
+    # generation
+    ours.eval()
+    gen = ours.generate(inputs["input_ids"][:1, :4], max_new_tokens=3, do_sample=False)
+    ref_gen = ref.generate(inputs["input_ids"][:1, :4], max_new_tokens=3, do_sample=False)
+    assert torch.equal(gen, ref_gen)
+
+
+def test_disable_restores_exactly_and_enable_is_idempotent():
+    torch.manual_seed(0)
+    model = CONFIGS["llama"]()
+    assert "forward" not in model.__dict__
+    assert enable_fused_loss(model) is None
+    first = model.forward
+    assert enable_fused_loss(model) is None and model.forward is first
+    disable_fused_loss(model)
+    assert "forward" not in model.__dict__ and not fused_loss_enabled(model)
+    assert type(model).forward is transformers.LlamaForCausalLM.forward  # the class is never touched
+    out = model(**batch())
+    assert out.logits is not None
+
+
+def test_unsupported_models_keep_their_path(caplog):
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2)
+    )
+    with caplog.at_level(logging.WARNING, logger="fasttrain"):
+        reason = enable_fused_loss(gpt2)
+    assert reason is not None and "GPT2LMHeadModel" in reason
+    assert not fused_loss_enabled(gpt2) and "forward" not in gpt2.__dict__
+    assert "GPT2LMHeadModel" in caplog.text
+
+    llama = CONFIGS["llama"]()
+    llama.lm_head = torch.nn.Sequential(llama.lm_head)
+    assert "nn.Linear" in enable_fused_loss(llama)
+
+
+def test_custom_loss_function_keeps_own_path():
+    _, ours = pair("llama")
+
+    def my_loss(logits, labels, vocab_size, **kwargs):
+        return logits.float().pow(2).mean()
+
+    ours.loss_function = my_loss
+    out = ours(**batch())
+    assert out.logits is not None and torch.allclose(out.loss, my_loss(out.logits, None, VOCAB))
+
+
+def test_bf16_model_within_bf16_precision():
+    ref, ours = pair("gemma2_softcap")
+    ref.to(torch.bfloat16)
+    ours.to(torch.bfloat16)
+    inputs = batch(seed=4)
+    out_ref, out = ref(**inputs), ours(**inputs)
+    # the reference rounds logits (and the softcap) to bf16 before its fp32 loss; we softcap in fp32
+    assert rel(out.loss.float(), out_ref.loss.float()) < 1e-2
+    out_ref.loss.backward()
+    out.loss.backward()
+    named = dict(ours.named_parameters())
+    for name, p in ref.named_parameters():
+        err = float(
+            (p.grad.float() - named[name].grad.float()).norm() / p.grad.float().norm().clamp(min=1e-12)
+        )
+        assert err < 5e-2, name
+
+
+def test_peft_lora():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = CONFIGS["llama"]()
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    ref = peft.get_peft_model(copy.deepcopy(base), cfg)
+    ours = peft.get_peft_model(copy.deepcopy(base), cfg)
+    ours.load_state_dict(ref.state_dict())
+    assert enable_fused_loss(ours) is None and fused_loss_enabled(ours)
+    ref.train()
+    ours.train()
+    out_ref, out = ref(**batch()), ours(**batch())
+    assert out.logits is None and rel(out.loss, out_ref.loss) < TOL
+    out_ref.loss.backward()
+    out.loss.backward()
+    assert_same_grads(ref, ours)
+    # LoRA on the output layer itself: not a plain Linear any more
+    with_head = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    assert "nn.Linear" in enable_fused_loss(with_head)
+
+
+class _LossLog(transformers.TrainerCallback):
+    def __init__(self):
+        self.losses = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append(logs["loss"])
+
+
+def _train(model, tmp_path, enable):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for i in range(16):
+        n = 5 + (i * 3) % 9
+        ids = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+        labels = [-100] * (i % 3) + ids[i % 3 :]
+        rows.append({"input_ids": ids, "labels": labels})
+    ds = Dataset.from_list(rows)
+    if enable:
+        assert enable_fused_loss(model) is None
+    log = _LossLog()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        max_steps=2,
+        logging_steps=1,
+        learning_rate=0.5,
+        optim="sgd",
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+
+    class _Pad:  # right padding by hand (the transformers collators need a tokenizer)
+        def __call__(self, features):
+            width = max(len(f["input_ids"]) for f in features)
+            ids = torch.tensor([f["input_ids"] + [0] * (width - len(f["input_ids"])) for f in features])
+            lab = torch.tensor([f["labels"] + [-100] * (width - len(f["labels"])) for f in features])
+            mask = torch.tensor(
+                [[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"])) for f in features]
+            )
+            return {"input_ids": ids, "labels": lab, "attention_mask": mask}
+
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=ds, data_collator=_Pad(), callbacks=[log]
+    )
+    trainer.train()
+    return log.losses, model
+
+
+def test_trainer_gradient_accumulation_same_logged_loss(tmp_path):
+    torch.manual_seed(0)
+    base = CONFIGS["qwen3"]()
+    ref_losses, ref_model = _train(copy.deepcopy(base), tmp_path / "ref", enable=False)
+    our_losses, our_model = _train(copy.deepcopy(base), tmp_path / "ours", enable=True)
+    assert len(ref_losses) == 2 and len(our_losses) == 2
+    for a, b in zip(our_losses, ref_losses, strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b)
+    # SGD: the weight change is linear in the accumulated gradients, so it checks them directly
+    start = dict(base.named_parameters())
+    named = dict(our_model.named_parameters())
+    for name, p in ref_model.named_parameters():
+        ref_delta = (p - start[name]).detach()
+        our_delta = (named[name] - start[name]).detach()
+        err = float((our_delta - ref_delta).abs().max() / ref_delta.abs().max())
+        assert err < 1e-4, name
