@@ -112,13 +112,13 @@ def train_sampler(original: Callable[..., Any], trainer: Any, train_dataset: Any
         if not outer:
             return original(train_dataset)
         args = trainer.args
+        if not hot_paths_of(trainer).sampler:
+            _set(trainer, "sampler", "off: switched off")
+            return original(train_dataset)
         if getattr(args, "train_sampling_strategy", None) != "group_by_length" and not getattr(
             args, "group_by_length", False
         ):
             _set(trainer, "sampler", "off: group_by_length is not set")
-            return original(train_dataset)
-        if not hot_paths_of(trainer).sampler:
-            _set(trainer, "sampler", "off: switched off")
             return original(train_dataset)
         dataset = trainer.train_dataset if train_dataset is None else train_dataset
         from transformers.trainer_utils import has_length
