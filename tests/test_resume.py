@@ -34,9 +34,12 @@ def _trainer(cls, out, **overrides):
 
 
 def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, rtol: float) -> None:
+    # Between FusedAdamW and torch AdamW, float rounding differs: the same 1e-5 relative / 1e-6 absolute
+    # tolerance as the per-step parity tests. The same implementation resumed must agree to rounding.
+    atol = 1e-7 if rtol <= 1e-6 else 1e-6
     ref = dict(a.named_parameters())
     for name, p in b.named_parameters():
-        torch.testing.assert_close(p, ref[name], rtol=rtol, atol=1e-7, msg=f"parameter {name}")
+        torch.testing.assert_close(p, ref[name], rtol=rtol, atol=atol, msg=f"parameter {name}")
 
 
 @pytest.fixture(scope="module")
