@@ -65,7 +65,9 @@ def test_ddp_torchrun(tmp_path, reference_run):
 
 def test_ddp_accelerate_launch(tmp_path, reference_run):
     accelerate = shutil.which("accelerate") or str(Path(sys.executable).with_name("accelerate"))
-    launcher = [accelerate, "launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+    # `accelerate launch --cpu` starts several CPU processes only through mpirun; --multi_gpu uses
+    # torch.distributed.run, and the script's use_cpu=True makes each process a gloo CPU rank.
+    launcher = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                 "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
                 str(ROOT / "tests" / "support" / "train_script.py")]
     _check(_launch(launcher, tmp_path, "fasttrain"), reference_run)
