@@ -10,6 +10,7 @@ raises, ours must raise too (a ValueError/TypeError/KeyError, never a Rust panic
 from __future__ import annotations
 
 import logging
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -63,15 +64,27 @@ def assert_same(ours, ref) -> None:
 
 
 def run_both(ours, ref, features, **kwargs):
-    """Calls both collators on (separate copies of) the same batch and compares."""
+    """Calls both collators on (separate copies of) the same batch and compares.
+
+    Also checks that ours ran natively: the only hand-over to transformers these batches may cause
+    is a ragged batch with return_tensors="np" (transformers builds object arrays for it).
+    """
+    handovers = []
+
+    def call_ours():
+        with mock.patch.object(ft, "_hand_over", lambda _c, why: handovers.append(str(why))):
+            return ours(clone(features), **kwargs)
+
     try:
         expected = ref(clone(features), **kwargs)
     except Exception as ref_error:
         with pytest.raises((ValueError, TypeError, KeyError)):
-            ours(clone(features), **kwargs)
+            call_ours()
+        assert not handovers, handovers
         return ref_error
     try:
-        got = ours(clone(features), **kwargs)
+        got = call_ours()
+        assert all("ragged batch with return_tensors='np'" in h for h in handovers), handovers
     except ValueError:
         # The one place we differ on purpose: torch.tensor([[], [5]]) is a (2, 0) tensor, so
         # transformers silently drops every token of a ragged batch whose first row is empty.
@@ -410,3 +423,45 @@ def test_native_equivalent():
         pass
 
     assert ft.native_equivalent(Custom(tok)) is None
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda v: np.asarray(v * 2, dtype=np.int64)[::2], id="strided-numpy"),
+        pytest.param(lambda v: torch.tensor(v * 2)[::2], id="strided-torch"),
+        pytest.param(lambda v: np.asarray(v, dtype=np.uint16), id="uint16"),
+        pytest.param(lambda v: np.asarray(v, dtype=np.int8), id="int8"),
+        pytest.param(lambda v: torch.tensor(v, dtype=torch.int32), id="torch-int32"),
+        pytest.param(
+            lambda v: torch.tensor(v, dtype=torch.float32, requires_grad=True).long(), id="torch-from-grad"
+        ),
+        pytest.param(
+            lambda v: np.frombuffer(np.asarray(v, dtype=np.int64).tobytes(), dtype=np.int64), id="readonly"
+        ),
+    ],
+)
+def test_input_containers(make):
+    tok = make_tokenizer("left")
+    rows = [[5, 6, 7, 8], [9], [10, 11]]
+    features = [{"input_ids": make(r), "attention_mask": make([1] * len(r))} for r in rows]
+    for cls in ("DataCollatorWithPadding", "DataCollatorForSeq2Seq"):
+        ours = getattr(ft, cls)(tok, pad_to_multiple_of=3)
+        ref = getattr(transformers, cls)(tok, pad_to_multiple_of=3)
+        assert run_both(ours, ref, features) is None
+
+
+def test_batch_encoding_examples_and_tuple_batch():
+    tok = make_tokenizer()
+
+    def features():
+        return [
+            transformers.BatchEncoding({"input_ids": [5, 6, 7]}),
+            transformers.BatchEncoding({"input_ids": [8]}),
+        ]
+
+    ours = ft.DataCollatorWithPadding(tok)
+    assert_same(ours(features()), transformers.DataCollatorWithPadding(tok)(features()))
+    assert ours(tuple(features()))["input_ids"].tolist() == [[5, 6, 7], [8, 3, 3]]
+    with pytest.raises(KeyError, match="example 1 has no key 'attention_mask'"):
+        ours([transformers.BatchEncoding({"input_ids": [5], "attention_mask": [1]}), features()[1]])
