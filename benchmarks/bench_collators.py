@@ -69,7 +69,9 @@ def convert(rows: list[dict], kind: str) -> list[dict]:
     if kind == "torch":
         return [{k: torch.from_numpy(v.astype(np.int64)) for k, v in r.items()} for r in rows]
     if kind == "arrow":
-        ds = datasets.Dataset.from_dict({k: [r[k].tolist() for r in rows] for k in rows[0]}).with_format("numpy")
+        ds = datasets.Dataset.from_dict({k: [r[k].tolist() for r in rows] for k in rows[0]}).with_format(
+            "numpy"
+        )
         return [ds[i] for i in range(len(ds))]
     raise ValueError(kind)
 
