@@ -13,8 +13,9 @@ with the GIL released, and the arrays come back without a copy (``torch.from_num
 What stays in transformers' code: keys that are not padded (``label``, float features, ...) are
 converted by transformers' own ``BatchEncoding`` exactly as ``tokenizer.pad`` converts them, and a
 whole batch is handed to the transformers class when it needs something the native path does not
-model (``mlm=True``, a tokenizer that overrides ``pad``, examples that are not mappings,
-``return_tensors`` other than "pt"/"np", 4-d attention masks). Each such hand-over is logged once.
+model (``mlm=True``, a tokenizer that overrides ``pad``, examples that are neither mappings nor
+bare token lists, ``return_tensors`` other than "pt"/"np", 4-d attention masks, ragged batches with
+``return_tensors="np"``). Each such hand-over is logged once.
 
 Bad input raises ValueError/TypeError/KeyError naming the example and the key; where transformers
 would fail later with a generic message or return mismatched shapes, these raise up front.
@@ -236,16 +237,21 @@ class DataCollatorForLanguageModeling(hf.DataCollatorForLanguageModeling):
         try:
             if self.mlm:
                 raise _HandOver("mlm=True (masked LM)")
-            if self.tokenizer.model_input_names[:1] != ["input_ids"]:
-                raise _HandOver("the tokenizer's main input is not input_ids")
-            batch = _pad(
-                self.tokenizer,
-                examples,
-                padding=True,
-                max_length=None,
-                pad_to_multiple_of=self.pad_to_multiple_of,
-                return_tensors=return_tensors,
-            )
+            examples = _as_example_list(examples)
+            if examples and not isinstance(examples[0], Mapping):
+                batch = self._collate_sequences(examples, return_tensors)
+            else:
+                if self.tokenizer.model_input_names[:1] != ["input_ids"]:
+                    raise _HandOver("the tokenizer's main input is not input_ids")
+                batch = _pad(
+                    self.tokenizer,
+                    examples,
+                    padding=True,
+                    max_length=None,
+                    pad_to_multiple_of=self.pad_to_multiple_of,
+                    return_tensors=return_tensors,
+                )
+                batch = BatchEncoding(batch)
         except _HandOver as why:
             _hand_over(self, why)
             parent = super().torch_call if return_tensors == "pt" else super().numpy_call
@@ -253,7 +259,38 @@ class DataCollatorForLanguageModeling(hf.DataCollatorForLanguageModeling):
         batch.pop("special_tokens_mask", None)
         batch.pop("offset_mapping", None)
         batch["labels"] = _native.causal_lm_labels(batch["input_ids"], self.tokenizer.pad_token_id)
-        return BatchEncoding(_tensors(batch, return_tensors))
+        return _tensors(batch, return_tensors)
+
+    def _collate_sequences(self, examples: list[Any], return_tensors: str) -> dict[str, Any]:
+        """Examples that are bare token sequences: transformers' ``_torch_collate_batch`` /
+        ``_numpy_collate_batch`` (a plain dict with ``input_ids``; a pad token only when padding)."""
+        first = examples[0]
+        if isinstance(first, torch.Tensor):
+            raise _HandOver("examples are tensors (transformers keeps their dtype)")
+        if return_tensors == "np" and isinstance(first, np.ndarray):
+            raise _HandOver(
+                "examples are numpy arrays with return_tensors='np' (transformers keeps their dtype)"
+            )
+        if not isinstance(first, (list, tuple, np.ndarray)):
+            raise _HandOver(f"examples are {type(first).__name__}")
+        tok, multiple = self.tokenizer, self.pad_to_multiple_of
+        lengths = {len(e) for e in examples}
+        needs_padding = len(lengths) > 1 or (multiple is not None and len(first) % multiple != 0)
+        if needs_padding and tok.pad_token is None:
+            raise ValueError(
+                "You are attempting to pad samples but the tokenizer you are using"
+                f" ({tok.__class__.__name__}) does not have a pad token."
+            )
+        (input_ids,) = _native.pad_features(
+            [{"input_ids": e} for e in examples],
+            [("input_ids", int(tok.pad_token_id) if needs_padding else 0)],
+            padding="longest" if needs_padding else "do_not_pad",
+            max_length=None,
+            pad_to_multiple_of=multiple if needs_padding else None,
+            padding_side="right" if tok.padding_side == "right" else "left",
+            attention_mask=False,
+        )
+        return {"input_ids": input_ids}
 
 
 class DataCollatorForSeq2Seq(hf.DataCollatorForSeq2Seq):
