@@ -513,3 +513,36 @@ def test_batch_encoding_examples_and_tuple_batch():
     assert ours(tuple(features()))["input_ids"].tolist() == [[5, 6, 7], [8, 3, 3]]
     with pytest.raises(KeyError, match="example 1 has no key 'attention_mask'"):
         ours([transformers.BatchEncoding({"input_ids": [5], "attention_mask": [1]}), features()[1]])
+
+
+class ShoutingTokenizer(PreTrainedTokenizerFast):
+    """A tokenizer with its own _pad (as some model tokenizers have): ours must use it."""
+
+    def _pad(self, encoded_inputs, *args, **kwargs):
+        out = super()._pad(encoded_inputs, *args, **kwargs)
+        out["input_ids"] = [7 if t == PAD_ID else t for t in out["input_ids"]]
+        return out
+
+
+def test_tokenizer_with_its_own_pad_hands_over(caplog, monkeypatch):
+    monkeypatch.setattr(fasttrain_logging, "_said", set())
+    base = make_tokenizer()
+    tok = ShoutingTokenizer(tokenizer_object=base.backend_tokenizer, pad_token="[PAD]", unk_token="[UNK]")
+    features = [{"input_ids": [5, 6, 7]}, {"input_ids": [8]}]
+    with caplog.at_level(logging.WARNING, logger="fasttrain"):
+        ours = ft.DataCollatorWithPadding(tok)(clone(features))
+    assert ours["input_ids"].tolist() == [[5, 6, 7], [8, 7, 7]]
+    assert_same(ours, transformers.DataCollatorWithPadding(tok)(clone(features)))
+    assert any("has its own pad()" in r.getMessage() for r in caplog.records)
+
+
+def test_4d_attention_masks_hand_over():
+    tok = make_tokenizer()
+    features = [
+        {"input_ids": [5, 6], "attention_mask": torch.ones(1, 2, 2, dtype=torch.int64)},
+        {"input_ids": [7, 8], "attention_mask": torch.ones(1, 2, 2, dtype=torch.int64)},
+    ]
+    assert_same(
+        ft.DataCollatorWithPadding(tok)(clone(features)),
+        transformers.DataCollatorWithPadding(tok)(clone(features)),
+    )
