@@ -73,8 +73,9 @@ def assert_same(ours, ref) -> None:
 def run_both(ours, ref, features, **kwargs):
     """Calls both collators on (separate copies of) the same batch and compares.
 
-    Also checks that ours ran natively: the only hand-over to transformers these batches may cause
-    is a ragged batch with return_tensors="np" (transformers builds object arrays for it).
+    Also checks that ours ran natively: the only hand-overs to transformers these batches may cause
+    are a ragged batch with return_tensors="np" (transformers builds object arrays for it) and
+    boolean values (transformers may keep a bool dtype).
     """
     handovers = []
 
@@ -87,11 +88,11 @@ def run_both(ours, ref, features, **kwargs):
     except Exception as ref_error:
         with pytest.raises((ValueError, TypeError, KeyError)):
             call_ours()
-        assert all("ragged batch with return_tensors='np'" in h for h in handovers), handovers
+        assert all(allowed_handover(h) for h in handovers), handovers
         return ref_error
     try:
         got = call_ours()
-        assert all("ragged batch with return_tensors='np'" in h for h in handovers), handovers
+        assert all(allowed_handover(h) for h in handovers), handovers
     except ValueError:
         # The one place we differ on purpose: torch.tensor([[], [5]]) is a (2, 0) tensor, so
         # transformers silently drops every token of a ragged batch whose first row is empty.
@@ -99,6 +100,10 @@ def run_both(ours, ref, features, **kwargs):
         return None
     assert_same(got, expected)
     return None
+
+
+def allowed_handover(why: str) -> bool:
+    return "ragged batch with return_tensors='np'" in why or "holds booleans" in why
 
 
 def reference_dropped_tokens(features, expected) -> bool:
@@ -546,3 +551,24 @@ def test_4d_attention_masks_hand_over():
         ft.DataCollatorWithPadding(tok)(clone(features)),
         transformers.DataCollatorWithPadding(tok)(clone(features)),
     )
+
+
+@pytest.mark.parametrize("container", ["list", "numpy", "torch"])
+def test_boolean_masks_keep_transformers_dtype(container):
+    tok = make_tokenizer()
+    ids = {"list": list, "numpy": np.asarray, "torch": torch.tensor}[container]
+    mask = {"list": list, "numpy": lambda v: np.asarray(v, dtype=bool), "torch": torch.tensor}[container]
+    for rows in ([[True, True], [True, False]], [[True, True], [True]]):
+        features = [{"input_ids": ids(list(range(5, 5 + len(m)))), "attention_mask": mask(m)} for m in rows]
+        run_both(ft.DataCollatorWithPadding(tok), transformers.DataCollatorWithPadding(tok), features)
+    if container == "list":  # an int first: int64 in both, natively
+        features = [
+            {"input_ids": [5, 6], "attention_mask": [1, True]},
+            {"input_ids": [7], "attention_mask": [False]},
+        ]
+        out = ft.DataCollatorWithPadding(tok)(clone(features))
+        assert out["attention_mask"].dtype == torch.int64
+        assert (
+            run_both(ft.DataCollatorWithPadding(tok), transformers.DataCollatorWithPadding(tok), features)
+            is None
+        )

@@ -146,6 +146,9 @@ def _pad(
     pad_values.update(_PAD_VALUE_CONST)
     padded_keys = [main] + [k for k in keys if k != main and k in pad_values]
     make_mask = return_attention_mask and "attention_mask" not in first
+    for key in padded_keys:
+        if _starts_with_bool(features, key):
+            raise _HandOver(f"'{key}' holds booleans (torch.tensor keeps them as bool)")
 
     arrays = _native.pad_features(
         features,
@@ -172,6 +175,25 @@ def _pad(
     if make_mask:
         out["attention_mask"] = padded["attention_mask"]
     return out
+
+
+def _starts_with_bool(features: list, key: str) -> bool:
+    """Whether the first value of ``key`` in the batch is a bool. torch.tensor/np.asarray give a bool
+    array only when every value is a bool, so a batch whose first value is an int converts to int64
+    exactly like ours; the rare batch that starts with a bool is transformers' to convert."""
+    for f in features:
+        v = f.get(key) if isinstance(f, Mapping) else None
+        if v is None:
+            return False
+        if isinstance(v, np.ndarray):
+            return v.dtype == np.bool_
+        if isinstance(v, torch.Tensor):
+            return v.dtype == torch.bool
+        if isinstance(v, (list, tuple)) and len(v) > 0:
+            return isinstance(v[0], (bool, np.bool_))
+        if not isinstance(v, (list, tuple)):
+            return False
+    return False
 
 
 def _refuse_ragged_numpy(features: list, main: str, max_length: int | None, multiple: int | None) -> None:
