@@ -100,7 +100,7 @@ pub fn common_width(lengths: &[usize], spec: &PadSpec, key: &str) -> DataResult<
     Ok(width)
 }
 
-/// Pads every row of `rows` to `width` with `pad` on `side`.
+/// Pads every row of `rows` to `width` with `pad` on `side`. Each output value is written once.
 pub fn pad_rows(
     rows: &Ragged,
     width: usize,
@@ -109,22 +109,22 @@ pub fn pad_rows(
     key: &str,
 ) -> DataResult<Padded> {
     let n = rows.rows();
-    let mut values = vec![pad; n * width];
+    let mut values = Vec::with_capacity(n * width);
     for i in 0..n {
         let row = rows.row(i);
-        if row.len() > width {
-            return Err(DataError::value(format!(
+        let fill = width.checked_sub(row.len()).ok_or_else(|| {
+            DataError::value(format!(
                 "example {i}: '{key}' has length {}, longer than the batch width {width}",
                 row.len()
-            )));
+            ))
+        })?;
+        if side == Side::Left {
+            values.resize(values.len() + fill, pad);
         }
-        let start = i * width
-            + if side == Side::Left {
-                width - row.len()
-            } else {
-                0
-            };
-        values[start..start + row.len()].copy_from_slice(row);
+        values.extend_from_slice(row);
+        if side == Side::Right {
+            values.resize(values.len() + fill, pad);
+        }
     }
     Ok(Padded {
         values,
@@ -135,15 +135,20 @@ pub fn pad_rows(
 
 /// The attention mask transformers builds when the examples carry none: 1 on tokens, 0 on padding.
 pub fn attention_mask(lengths: &[usize], width: usize, side: Side) -> DataResult<Padded> {
-    let mut values = vec![0i64; lengths.len() * width];
+    let mut values = Vec::with_capacity(lengths.len() * width);
     for (i, &len) in lengths.iter().enumerate() {
-        if len > width {
-            return Err(DataError::value(format!(
+        let fill = width.checked_sub(len).ok_or_else(|| {
+            DataError::value(format!(
                 "example {i}: length {len} is longer than the batch width {width}"
-            )));
-        }
-        let start = i * width + if side == Side::Left { width - len } else { 0 };
-        values[start..start + len].fill(1);
+            ))
+        })?;
+        let (first, second) = if side == Side::Left {
+            ((fill, 0), (len, 1))
+        } else {
+            ((len, 1), (fill, 0))
+        };
+        values.resize(values.len() + first.0, first.1);
+        values.resize(values.len() + second.0, second.1);
     }
     Ok(Padded {
         values,

@@ -149,15 +149,11 @@ fn causal_lm_labels<'py>(
 ) -> PyResult<Bound<'py, PyArray2<i64>>> {
     let shape = input_ids.shape().to_vec();
     let values: Vec<i64> = match input_ids.as_slice() {
-        Ok(slice) => {
-            let slice: &[i64] = slice;
-            // The slice borrows the array (kept alive by the readonly guard), so the copy is
-            // made with the GIL held; it is a single pass over memory.
-            labels_from_ids(slice, pad_token_id, -100)
-        }
+        // The readonly guard keeps the array alive and unborrowed mutably while we read it.
+        Ok(slice) => py.detach(|| labels_from_ids(slice, pad_token_id, -100)),
         Err(_) => {
             let flat: Vec<i64> = input_ids.as_array().iter().copied().collect();
-            py.detach(|| labels_from_ids(&flat, pad_token_id, -100))
+            labels_from_ids(&flat, pad_token_id, -100)
         }
     };
     to_2d(py, values, shape[0], shape[1])

@@ -13,8 +13,9 @@ with the GIL released, and the arrays come back without a copy (``torch.from_num
 What stays in transformers' code: keys that are not padded (``label``, float features, ...) are
 converted by transformers' own ``BatchEncoding`` exactly as ``tokenizer.pad`` converts them, and a
 whole batch is handed to the transformers class when it needs something the native path does not
-model (``mlm=True``, a tokenizer that overrides ``pad``, examples that are not mappings,
-``return_tensors`` other than "pt"/"np", 4-d attention masks). Each such hand-over is logged once.
+model (``mlm=True``, a tokenizer that overrides ``pad``, examples that are neither mappings nor
+bare token lists, ``return_tensors`` other than "pt"/"np", 4-d attention masks, ragged batches with
+``return_tensors="np"``). Each such hand-over is logged once.
 
 Bad input raises ValueError/TypeError/KeyError naming the example and the key; where transformers
 would fail later with a generic message or return mismatched shapes, these raise up front.
@@ -22,7 +23,6 @@ would fail later with a generic message or return mismatched shapes, these raise
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -146,6 +146,9 @@ def _pad(
     pad_values.update(_PAD_VALUE_CONST)
     padded_keys = [main] + [k for k in keys if k != main and k in pad_values]
     make_mask = return_attention_mask and "attention_mask" not in first
+    for key in padded_keys:
+        if _starts_with_bool(features, key):
+            raise _HandOver(f"'{key}' holds booleans (torch.tensor keeps them as bool)")
 
     arrays = _native.pad_features(
         features,
@@ -172,6 +175,25 @@ def _pad(
     if make_mask:
         out["attention_mask"] = padded["attention_mask"]
     return out
+
+
+def _starts_with_bool(features: list, key: str) -> bool:
+    """Whether the first value of ``key`` in the batch is a bool. torch.tensor/np.asarray give a bool
+    array only when every value is a bool, so a batch whose first value is an int converts to int64
+    exactly like ours; the rare batch that starts with a bool is transformers' to convert."""
+    for f in features:
+        v = f.get(key) if isinstance(f, Mapping) else None
+        if v is None:
+            return False
+        if isinstance(v, np.ndarray):
+            return v.dtype == np.bool_
+        if isinstance(v, torch.Tensor):
+            return v.dtype == torch.bool
+        if isinstance(v, (list, tuple)) and len(v) > 0:
+            return isinstance(v[0], (bool, np.bool_))
+        if not isinstance(v, (list, tuple)):
+            return False
+    return False
 
 
 def _refuse_ragged_numpy(features: list, main: str, max_length: int | None, multiple: int | None) -> None:
@@ -237,16 +259,21 @@ class DataCollatorForLanguageModeling(hf.DataCollatorForLanguageModeling):
         try:
             if self.mlm:
                 raise _HandOver("mlm=True (masked LM)")
-            if self.tokenizer.model_input_names[:1] != ["input_ids"]:
-                raise _HandOver("the tokenizer's main input is not input_ids")
-            batch = _pad(
-                self.tokenizer,
-                examples,
-                padding=True,
-                max_length=None,
-                pad_to_multiple_of=self.pad_to_multiple_of,
-                return_tensors=return_tensors,
-            )
+            examples = _as_example_list(examples)
+            if examples and not isinstance(examples[0], Mapping):
+                batch = self._collate_sequences(examples, return_tensors)
+            else:
+                if self.tokenizer.model_input_names[:1] != ["input_ids"]:
+                    raise _HandOver("the tokenizer's main input is not input_ids")
+                batch = _pad(
+                    self.tokenizer,
+                    examples,
+                    padding=True,
+                    max_length=None,
+                    pad_to_multiple_of=self.pad_to_multiple_of,
+                    return_tensors=return_tensors,
+                )
+                batch = BatchEncoding(batch)
         except _HandOver as why:
             _hand_over(self, why)
             parent = super().torch_call if return_tensors == "pt" else super().numpy_call
@@ -254,7 +281,38 @@ class DataCollatorForLanguageModeling(hf.DataCollatorForLanguageModeling):
         batch.pop("special_tokens_mask", None)
         batch.pop("offset_mapping", None)
         batch["labels"] = _native.causal_lm_labels(batch["input_ids"], self.tokenizer.pad_token_id)
-        return BatchEncoding(_tensors(batch, return_tensors))
+        return _tensors(batch, return_tensors)
+
+    def _collate_sequences(self, examples: list[Any], return_tensors: str) -> dict[str, Any]:
+        """Examples that are bare token sequences: transformers' ``_torch_collate_batch`` /
+        ``_numpy_collate_batch`` (a plain dict with ``input_ids``; a pad token only when padding)."""
+        first = examples[0]
+        if isinstance(first, torch.Tensor):
+            raise _HandOver("examples are tensors (transformers keeps their dtype)")
+        if return_tensors == "np" and isinstance(first, np.ndarray):
+            raise _HandOver(
+                "examples are numpy arrays with return_tensors='np' (transformers keeps their dtype)"
+            )
+        if not isinstance(first, (list, tuple, np.ndarray)):
+            raise _HandOver(f"examples are {type(first).__name__}")
+        tok, multiple = self.tokenizer, self.pad_to_multiple_of
+        lengths = {len(e) for e in examples}
+        needs_padding = len(lengths) > 1 or (multiple is not None and len(first) % multiple != 0)
+        if needs_padding and tok.pad_token is None:
+            raise ValueError(
+                "You are attempting to pad samples but the tokenizer you are using"
+                f" ({tok.__class__.__name__}) does not have a pad token."
+            )
+        (input_ids,) = _native.pad_features(
+            [{"input_ids": e} for e in examples],
+            [("input_ids", int(tok.pad_token_id) if needs_padding else 0)],
+            padding="longest" if needs_padding else "do_not_pad",
+            max_length=None,
+            pad_to_multiple_of=multiple if needs_padding else None,
+            padding_side="right" if tok.padding_side == "right" else "left",
+            attention_mask=False,
+        )
+        return {"input_ids": input_ids}
 
 
 class DataCollatorForSeq2Seq(hf.DataCollatorForSeq2Seq):
@@ -394,6 +452,4 @@ def native_equivalent(collator: object) -> object | None:
     # Copy the settings as they are after __post_init__ (no second validation, no re-derivation).
     twin = ours.__new__(ours)
     twin.__dict__.update(vars(collator))
-    if dataclasses.is_dataclass(collator):
-        assert all(hasattr(twin, f.name) for f in dataclasses.fields(collator))
     return twin

@@ -1,0 +1,277 @@
+"""fasttrain's Rust collators against transformers' collators, side by side in one run.
+
+For each case both collators get the same batches (64 examples of random length 16-2048 by default),
+alternating call by call (reference, ours, reference, ours, ...) so that both see the same machine
+load; the figures are medians over all calls. Before timing, each case checks that both outputs are
+identical (keys, dtypes, shapes, values).
+
+Input kinds: "list" (Python lists, as a tokenizer or `datasets` without a format returns them),
+"numpy" (int64 arrays), "arrow" (rows of a `datasets.Dataset` in numpy format: arrays read from the
+Arrow buffers) and "torch" (int64 CPU tensors).
+
+Usage:
+    python benchmarks/bench_collators.py            # writes benchmarks/results/collators.{json,md}
+    python benchmarks/bench_collators.py --smoke     # tiny run, checks that the script works
+
+Figures are written by this script only; never type them by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import datasets
+import numpy as np
+import tokenizers
+import torch
+import transformers
+from transformers import PreTrainedTokenizerFast
+
+import fasttrain
+from fasttrain.data import collators as ft
+
+PAD_ID = 0
+VOCAB = 32_000
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"[PAD]": PAD_ID, "[UNK]": 1, **{f"w{i}": i for i in range(2, 100)}}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]")
+
+
+def make_rows(batch: int, min_len: int, max_len: int, rng: np.random.Generator, labels: bool) -> list[dict]:
+    rows = []
+    for n in rng.integers(min_len, max_len + 1, batch):
+        ids = rng.integers(1, VOCAB, n)
+        row = {"input_ids": ids, "attention_mask": np.ones(n, dtype=np.int64)}
+        if labels:
+            row["labels"] = rng.integers(1, VOCAB, int(rng.integers(min_len, max_len + 1)))
+        rows.append(row)
+    return rows
+
+
+def convert(rows: list[dict], kind: str) -> list[dict]:
+    if kind == "list":
+        return [{k: v.tolist() for k, v in r.items()} for r in rows]
+    if kind == "numpy":
+        return [{k: v.astype(np.int64) for k, v in r.items()} for r in rows]
+    if kind == "torch":
+        return [{k: torch.from_numpy(v.astype(np.int64)) for k, v in r.items()} for r in rows]
+    if kind == "arrow":
+        ds = datasets.Dataset.from_dict({k: [r[k].tolist() for r in rows] for k in rows[0]}).with_format(
+            "numpy"
+        )
+        return [ds[i] for i in range(len(ds))]
+    raise ValueError(kind)
+
+
+def same(a, b) -> bool:
+    if type(a) is not type(b) or list(a.keys()) != list(b.keys()):
+        return False
+    for k in b.keys():  # noqa: SIM118 - BatchEncoding
+        x, y = a[k], b[k]
+        if isinstance(y, torch.Tensor):
+            if not (x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def alternate(ref: Callable, ours: Callable, batches: list, calls: int) -> tuple[list[float], list[float]]:
+    ref_t, our_t = [], []
+    for i in range(calls):
+        b = batches[i % len(batches)]
+        t = time.perf_counter()
+        ref(b)
+        ref_t.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        ours(b)
+        our_t.append(time.perf_counter() - t)
+    return ref_t, our_t
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cases(tok) -> list[tuple[str, str, object, object, bool]]:
+    """(collator name, input kind, transformers collator, ours, needs labels)."""
+    out = []
+    for kind in ("list", "numpy", "arrow", "torch"):
+        out.append(
+            (
+                "DataCollatorWithPadding",
+                kind,
+                transformers.DataCollatorWithPadding(tok),
+                ft.DataCollatorWithPadding(tok),
+                False,
+            )
+        )
+    for kind in ("list", "numpy"):
+        out.append(
+            (
+                "DataCollatorForLanguageModeling(mlm=False)",
+                kind,
+                transformers.DataCollatorForLanguageModeling(tok, mlm=False),
+                ft.DataCollatorForLanguageModeling(tok, mlm=False),
+                False,
+            )
+        )
+    for kind in ("list", "numpy"):
+        out.append(
+            (
+                "DataCollatorForSeq2Seq",
+                kind,
+                transformers.DataCollatorForSeq2Seq(tok),
+                ft.DataCollatorForSeq2Seq(tok),
+                True,
+            )
+        )
+    for kind in ("list", "numpy"):
+        out.append(
+            (
+                "DataCollatorWithFlattening",
+                kind,
+                transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True),
+                ft.DataCollatorWithFlattening(return_flash_attn_kwargs=True),
+                False,
+            )
+        )
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--calls", type=int, default=30, help="timed calls per collator and case (alternating)")
+    p.add_argument("--batches", type=int, default=4, help="distinct batches cycled through")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes; results are not written")
+    args = p.parse_args()
+    if args.smoke:
+        args.batch, args.max_len, args.calls, args.batches = 8, 64, 3, 2
+
+    tok = make_tokenizer()
+    rng = np.random.default_rng(args.seed)
+    raw = {
+        labels: [make_rows(args.batch, args.min_len, args.max_len, rng, labels) for _ in range(args.batches)]
+        for labels in (False, True)
+    }
+    results = []
+    for name, kind, ref, ours, labels in cases(tok):
+        batches = [convert(rows, kind) for rows in raw[labels]]
+        if not same(ours(batches[0]), ref(batches[0])):
+            raise SystemExit(f"{name} on {kind} input: outputs differ from transformers")
+        ours(batches[0])  # warm-up
+        ref(batches[0])
+        ref_t, our_t = alternate(ref, ours, batches, args.calls)
+        r_med, o_med = statistics.median(ref_t), statistics.median(our_t)
+        tokens = statistics.mean(sum(len(r["input_ids"]) for r in rows) for rows in raw[labels])
+        results.append(
+            {
+                "collator": name,
+                "input": kind,
+                "transformers_ms_per_batch": r_med * 1e3,
+                "fasttrain_ms_per_batch": o_med * 1e3,
+                "transformers_examples_per_s": args.batch / r_med,
+                "fasttrain_examples_per_s": args.batch / o_med,
+                "speedup": r_med / o_med,
+                "mean_tokens_per_batch": tokens,
+            }
+        )
+        print(
+            f"{name:44s} {kind:6s} transformers {r_med * 1e3:8.2f} ms  fasttrain {o_med * 1e3:7.3f} ms  "
+            f"x{r_med / o_med:6.1f}",
+            flush=True,
+        )
+
+    record = {
+        "benchmark": "collators",
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", "benchmarks/bench_collators.py", *sys.argv[1:]]),
+        "machine": {
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "platform": platform.platform(),
+            # The development machines are shared: the load says how busy the cores were.
+            "load_average_1_5_15min_at_start": list(os.getloadavg()),
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "fasttrain": fasttrain.__version__,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+            "tokenizers": tokenizers.__version__,
+            "datasets": datasets.__version__,
+        },
+        "setup": {
+            "batch": args.batch,
+            "lengths": [args.min_len, args.max_len],
+            "timed_calls_per_collator": args.calls,
+            "distinct_batches": args.batches,
+            "return_tensors": "pt",
+            "method": "reference and fasttrain called alternately on the same batches; medians",
+        },
+        "results": results,
+    }
+    if args.smoke:
+        print("smoke run: results not written")
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "collators.json").write_text(json.dumps(record, indent=2) + "\n")
+    (args.out / "collators.md").write_text(markdown(record))
+    print(f"wrote {args.out / 'collators.json'} and {args.out / 'collators.md'}")
+
+
+def markdown(r: dict) -> str:
+    m, v, s = r["machine"], r["versions"], r["setup"]
+    lines = [
+        "# Collators: fasttrain (Rust) vs transformers",
+        "",
+        f"- Date (UTC): {r['date_utc']}",
+        f"- Machine: {m['cpu']}, {m['cores']} cores ({m['cores_usable']} usable), {m['platform']}; "
+        f"load average at start {', '.join(f'{x:.1f}' for x in m['load_average_1_5_15min_at_start'])}",
+        "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+        f"- Command: `{r['command']}`",
+        f"- Setup: batch {s['batch']}, lengths uniform in [{s['lengths'][0]}, {s['lengths'][1]}], "
+        f"{s['timed_calls_per_collator']} timed calls per collator over {s['distinct_batches']} batches, "
+        f"return_tensors='{s['return_tensors']}'; {s['method']}. Outputs checked identical before timing.",
+        "",
+        "| collator | input | transformers ms/batch | fasttrain ms/batch | transformers examples/s "
+        "| fasttrain examples/s | speedup |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for x in r["results"]:
+        lines.append(
+            f"| {x['collator']} | {x['input']} | {x['transformers_ms_per_batch']:.2f} | "
+            f"{x['fasttrain_ms_per_batch']:.3f} | {x['transformers_examples_per_s']:,.0f} | "
+            f"{x['fasttrain_examples_per_s']:,.0f} | {x['speedup']:.1f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
