@@ -3,8 +3,9 @@
 Same constructor arguments and the same index order as ``transformers.trainer_pt_utils``' classes for
 the same generator state: the permutation is ``torch.randperm(n, generator=generator)`` (reproduced
 natively from a CPU generator's state, see :func:`randperm`); the megabatch split, the stable
-descending sort by length and the longest-first swap run in Rust without the GIL. Lengths of a ``datasets.Dataset`` come from Arrow
-(see :mod:`fasttrain.data.lengths`) instead of a Python pass over every row.
+descending sort by length and the longest-first swap run in Rust without the GIL. Lengths of a
+``datasets.Dataset`` come from Arrow (see :mod:`fasttrain.data.lengths`) instead of a Python pass over
+every row.
 
 Differences from transformers, all where transformers fails: an empty dataset gives an empty order
 (transformers raises in ``torch.argmax``); a distributed order shorter than the padding it needs is
@@ -30,6 +31,8 @@ from .lengths import as_length_array, lengths_from_dataset
 
 # Larger batch sizes behave exactly like one megabatch holding everything; clamp so Rust gets a usize.
 _MAX_NATIVE_SIZE = 2**62
+# torch.randperm shuffles with 32-bit draws for n < UINT32_MAX / 20 (the native copy's range).
+_NATIVE_RANDPERM_MAX_N = (2**32 - 1) // 20
 # Indices are turned into Python ints this many at a time, as the iteration reaches them.
 _INT_CHUNK = 1 << 16
 
@@ -68,17 +71,13 @@ def randperm(n: int, generator: torch.Generator | None = None) -> np.ndarray:
     """
     if generator is None:
         generator = torch.default_generator
-    if generator.device.type != "cpu" or n >= _native_randperm_max_n() or not _native_randperm_agrees():
+    if generator.device.type != "cpu" or n >= _NATIVE_RANDPERM_MAX_N or not _native_randperm_agrees():
         return torch.randperm(n, generator=generator).numpy()
     # torch holds the generator's lock for one randperm; here get/set_state bracket the shuffle instead,
     # which differs only if another thread draws from the same generator at the same moment.
     permutation, state = _native.torch_randperm(n, generator.get_state().numpy())
     generator.set_state(torch.from_numpy(state))
     return permutation
-
-
-def _native_randperm_max_n() -> int:
-    return 2**32 // 20 - 1  # torch switches algorithm at UINT32_MAX / 20
 
 
 @functools.cache
