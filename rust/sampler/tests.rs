@@ -281,6 +281,9 @@ fn bad_generator_states_are_errors() {
     Mt19937::seeded(1).write_state_bytes(&mut bytes);
     bytes[8] = 0; // left = 0 is outside [1, 624]
     assert!(Mt19937::from_state_bytes(&bytes).is_err());
+    bytes[8] = 5;
+    bytes[16..24].copy_from_slice(&624u64.to_le_bytes()); // would read past the 624 words
+    assert!(Mt19937::from_state_bytes(&bytes).is_err());
     Mt19937::seeded(1).write_state_bytes(&mut bytes);
     bytes[24 + 4] = 1; // a state word above 32 bits
     assert!(Mt19937::from_state_bytes(&bytes).is_err());

@@ -61,7 +61,8 @@ impl Mt19937 {
         }
         let left = i32::from_le_bytes(bytes[LEFT_AT..LEFT_AT + 4].try_into().unwrap_or_default());
         let next = u64::from_le_bytes(bytes[NEXT_AT..NEXT_AT + 8].try_into().unwrap_or_default());
-        if !(1..=STATE_N as i32).contains(&left) || next > STATE_N as u64 {
+        // The engine reads words `next..next + left - 1` before it twists: they must exist.
+        if !(1..=STATE_N as i32).contains(&left) || next + left as u64 > STATE_N as u64 + 1 {
             return Err(DataError::value(format!(
                 "unexpected generator state (left={left}, next={next})"
             )));
