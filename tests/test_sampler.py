@@ -212,3 +212,64 @@ def test_pickle_distributed():
     s.set_epoch(4)
     clone = pickle.loads(pickle.dumps(s))
     assert list(clone) == list(s) and clone.epoch == 4 and len(clone) == len(s)
+
+
+# --- the native torch.randperm ---
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 5000), seed=st.integers(0, 2**63 - 1), draws_before=st.integers(0, 1500))
+def test_native_randperm_is_torch_randperm(n, seed, draws_before):
+    from fasttrain.data.sampler import randperm
+
+    ours, theirs = gen(seed), gen(seed)
+    for g in (ours, theirs):
+        torch.rand(draws_before, generator=g)
+    assert randperm(n, ours).tolist() == torch.randperm(n, generator=theirs).tolist()
+    assert torch.equal(ours.get_state(), theirs.get_state())  # the generator advanced identically
+    assert torch.rand(3, generator=ours).tolist() == torch.rand(3, generator=theirs).tolist()
+
+
+def test_native_randperm_at_a_million_and_on_the_global_generator():
+    from fasttrain.data.sampler import randperm
+
+    ours, theirs = gen(11), gen(11)
+    assert np.array_equal(randperm(1_000_000, ours), torch.randperm(1_000_000, generator=theirs).numpy())
+    assert torch.equal(ours.get_state(), theirs.get_state())
+    torch.manual_seed(5)
+    mine = randperm(777)
+    torch.manual_seed(5)
+    assert mine.tolist() == torch.randperm(777).tolist()
+
+
+def test_falls_back_to_torch_randperm_when_the_check_fails(monkeypatch, caplog):
+    from fasttrain import _logging
+    from fasttrain.data import sampler
+
+    def wrong(n, state):
+        return np.arange(n, dtype=np.int64), state
+
+    monkeypatch.setattr(sampler._native, "torch_randperm", wrong)
+    monkeypatch.setattr(_logging, "_said", set())
+    sampler._native_randperm_agrees.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="fasttrain"):
+            lengths = list(range(300))
+            ours = list(fasttrain.LengthGroupedSampler(4, lengths=lengths, generator=gen(1)))
+        assert ours == list(RefSampler(4, lengths=lengths, generator=gen(1)))
+        assert "using torch.randperm" in caplog.text
+    finally:
+        sampler._native_randperm_agrees.cache_clear()
+
+
+def test_native_bad_arrays_raise_value_errors():
+    from fasttrain import _native
+
+    with pytest.raises(ValueError, match=r"permutation\[0\] = 5"):
+        _native.length_grouped_indices(np.array([5, 0]), np.array([1, 2]), 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        _native.length_grouped_indices(np.arange(4)[::2], np.array([1, 2]), 1)
+    with pytest.raises(ValueError, match="5056 bytes"):
+        _native.torch_randperm(3, np.zeros(10, dtype=np.uint8))
+    with pytest.raises(ValueError, match="rank must be in"):
+        _native.distributed_rank_indices(np.arange(3), 2, 5, False)

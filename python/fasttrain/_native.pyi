@@ -61,4 +61,7 @@ def distributed_rank_indices(
 ) -> npt.NDArray[np.int64]:
     """The indices of `rank` out of one epoch's order (DistributedLengthGroupedSampler)."""
 
+def torch_randperm(n: int, state: npt.NDArray[np.uint8]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint8]]:
+    """torch.randperm(n, generator=g) from g.get_state(): the permutation and the state for g.set_state()."""
+
 # --- end sampler ---

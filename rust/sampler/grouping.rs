@@ -1,6 +1,7 @@
 //! `get_length_grouped_indices` after the permutation: split the permutation into megabatches,
 //! sort each by length (descending, stable), and move the globally longest example to the front.
 
+use super::prefetch::prefetch;
 use crate::errors::{DataError, DataResult};
 
 /// Upper bound of the default megabatch multiplier (transformers: `min(n // (4 * bs), 50)`).
@@ -86,14 +87,7 @@ pub fn group_by_length(
     }
 
     let max_len = lengths.iter().copied().max().unwrap_or(0);
-    let packed = max_len <= i64::from(u32::MAX) && size <= u32::MAX as usize;
-    let sort = |part: &mut [i64]| {
-        if packed {
-            sort_megabatches_packed(part, lengths, size);
-        } else {
-            sort_megabatches_general(part, lengths, size);
-        }
-    };
+    let sort = |part: &mut [i64]| sort_megabatches(part, lengths, size, max_len);
     // Megabatches are independent: large orders are split between threads at megabatch boundaries.
     let threads = worker_count(n);
     if threads > 1 {
@@ -118,41 +112,63 @@ fn worker_count(n: usize) -> usize {
     cores.min(n / MIN_INDICES_PER_THREAD).max(1)
 }
 
-/// The common case: lengths and in-megabatch positions both fit 32 bits, so one u64 key
-/// `(u32::MAX - length) << 32 | position` sorts ascending into "longest first, ties in original
-/// order" — a stable descending sort done as a fast unstable sort of distinct keys.
-fn sort_megabatches_packed(permutation: &mut [i64], lengths: &[i64], size: usize) {
-    let mut keys: Vec<u64> = Vec::with_capacity(size.min(permutation.len()));
-    let mut original: Vec<i64> = Vec::with_capacity(keys.capacity());
-    for megabatch in permutation.chunks_mut(size) {
-        keys.clear();
-        keys.extend(megabatch.iter().enumerate().map(|(pos, &index)| {
-            let inverted = u64::from(u32::MAX) - lengths[index as usize] as u64;
-            (inverted << 32) | pos as u64
-        }));
-        keys.sort_unstable();
-        original.clear();
-        original.extend_from_slice(megabatch);
-        for (slot, key) in megabatch.iter_mut().zip(&keys) {
-            *slot = original[(key & u64::from(u32::MAX)) as usize];
+/// Sorts each megabatch of `permutation` by descending length, ties in their original order.
+///
+/// The key `max_len - length` sorted ascending by a stable LSD radix sort (one pass per byte of
+/// `max_len`, so two for lengths below 65,536) is exactly Python's `sorted(..., reverse=True)`, and
+/// several times faster than a comparison sort at megabatch sizes (hundreds of entries). The lengths
+/// of the next megabatch (random reads) are prefetched while the current one is sorted.
+fn sort_megabatches(permutation: &mut [i64], lengths: &[i64], size: usize, max_len: i64) {
+    let passes = (u64::BITS - (max_len as u64).leading_zeros()).div_ceil(8) as usize;
+    let capacity = size.min(permutation.len());
+    let mut keyed: Vec<(u64, i64)> = Vec::with_capacity(capacity);
+    let mut spare: Vec<(u64, i64)> = Vec::with_capacity(capacity);
+    let mut start = 0;
+    while start < permutation.len() {
+        let end = start.saturating_add(size).min(permutation.len());
+        for &index in &permutation[end..end.saturating_add(size).min(permutation.len())] {
+            prefetch(lengths, index as usize);
         }
+        let megabatch = &mut permutation[start..end];
+        keyed.clear();
+        keyed.extend(
+            megabatch
+                .iter()
+                .map(|&index| ((max_len - lengths[index as usize]) as u64, index)),
+        );
+        radix_sort_stable(&mut keyed, &mut spare, passes);
+        for (slot, &(_, index)) in megabatch.iter_mut().zip(&keyed) {
+            *slot = index;
+        }
+        start = end;
     }
 }
 
-/// Any lengths: a stable sort by descending length on (length, index) pairs.
-fn sort_megabatches_general(permutation: &mut [i64], lengths: &[i64], size: usize) {
-    let mut pairs: Vec<(i64, i64)> = Vec::with_capacity(size.min(permutation.len()));
-    for megabatch in permutation.chunks_mut(size) {
-        pairs.clear();
-        pairs.extend(
-            megabatch
-                .iter()
-                .map(|&index| (lengths[index as usize], index)),
-        );
-        pairs.sort_by_key(|pair| std::cmp::Reverse(pair.0)); // stable
-        for (slot, &(_, index)) in megabatch.iter_mut().zip(&pairs) {
-            *slot = index;
+/// Stable LSD radix sort of `items` by key, one byte per pass over the low `passes` bytes.
+fn radix_sort_stable(items: &mut Vec<(u64, i64)>, spare: &mut Vec<(u64, i64)>, passes: usize) {
+    spare.clear();
+    spare.resize(items.len(), (0, 0));
+    for pass in 0..passes {
+        let shift = 8 * pass;
+        let mut counts = [0usize; 256];
+        for &(key, _) in items.iter() {
+            counts[((key >> shift) & 0xff) as usize] += 1;
         }
+        if counts.contains(&items.len()) {
+            continue; // every key has the same byte here: the pass would not move anything
+        }
+        let mut next = 0;
+        for count in counts.iter_mut() {
+            let start = next;
+            next += *count;
+            *count = start;
+        }
+        for &item in items.iter() {
+            let bucket = &mut counts[((item.0 >> shift) & 0xff) as usize];
+            spare[*bucket] = item;
+            *bucket += 1;
+        }
+        std::mem::swap(items, spare);
     }
 }
 

@@ -245,3 +245,46 @@ fn distributed_bad_input_and_tiny_orders() {
     assert_eq!(samples_per_rank(10, 3, false), Ok((4, 12)));
     assert!(samples_per_rank(usize::MAX, 2, false).is_err());
 }
+
+#[test]
+fn mt19937_matches_the_reference_sequence() {
+    // std::mt19937 seeded with 5489 yields 3499211612 first and 4123659995 as its 10000th output.
+    let mut rng = super::torch_rng::Mt19937::seeded(5489);
+    assert_eq!(rng.next_u32(), 3_499_211_612);
+    let tenth_thousandth = (1..10_000).map(|_| rng.next_u32()).last();
+    assert_eq!(tenth_thousandth, Some(4_123_659_995));
+}
+
+#[test]
+fn randperm_is_a_permutation_and_state_round_trips() {
+    use super::torch_rng::{randperm, Mt19937, STATE_BYTES};
+    let mut rng = Mt19937::seeded(42);
+    for n in [0usize, 1, 2, 3, 1000] {
+        let mut p = randperm(n, &mut rng).unwrap();
+        p.sort_unstable();
+        assert_eq!(p, (0..n as i64).collect::<Vec<i64>>());
+    }
+    let mut bytes = vec![0u8; STATE_BYTES];
+    rng.write_state_bytes(&mut bytes);
+    let mut copy = Mt19937::from_state_bytes(&bytes).unwrap();
+    assert_eq!(
+        randperm(500, &mut copy).unwrap(),
+        randperm(500, &mut rng).unwrap()
+    );
+}
+
+#[test]
+fn bad_generator_states_are_errors() {
+    use super::torch_rng::{Mt19937, STATE_BYTES};
+    assert!(Mt19937::from_state_bytes(&[0u8; 10]).is_err());
+    let mut bytes = vec![0u8; STATE_BYTES];
+    Mt19937::seeded(1).write_state_bytes(&mut bytes);
+    bytes[8] = 0; // left = 0 is outside [1, 624]
+    assert!(Mt19937::from_state_bytes(&bytes).is_err());
+    bytes[8] = 5;
+    bytes[16..24].copy_from_slice(&624u64.to_le_bytes()); // would read past the 624 words
+    assert!(Mt19937::from_state_bytes(&bytes).is_err());
+    Mt19937::seeded(1).write_state_bytes(&mut bytes);
+    bytes[24 + 4] = 1; // a state word above 32 bits
+    assert!(Mt19937::from_state_bytes(&bytes).is_err());
+}

@@ -131,23 +131,26 @@ def _is_arrow(obj: Any) -> bool:
 
 
 def _column(dataset: Any, name: str):
-    """The Arrow column ``name`` of a ``datasets.Dataset``, in dataset row order (indices mapping applied)."""
-    import pyarrow.compute as pc
-
+    """The Arrow column ``name`` of a ``datasets.Dataset``, in table order (see ``_in_row_order``)."""
     if name not in dataset.column_names:
         raise ValueError(
             "Can only automatically infer lengths for datasets whose items are dictionaries with an "
             f"'{name}' key; the dataset's columns are {dataset.column_names}"
         )
-    column = dataset.data.column(name)
+    return dataset.data.column(name)
+
+
+def _in_row_order(dataset: Any, values: Any):
+    """``values`` (one per table row) in dataset row order: after ``select``/``shuffle``/``filter`` a
+    dataset reads its table through an indices mapping."""
+    import pyarrow.compute as pc
+
     indices = dataset._indices
-    if indices is not None:
-        column = pc.take(column, indices.column(0))
-    return column
+    return values if indices is None else pc.take(values, indices.column(0))
 
 
 def _arrow_length_column(dataset: Any, name: str) -> np.ndarray:
-    return _arrow_to_int64(_column(dataset, name), f"column '{name}'")
+    return _arrow_to_int64(_in_row_order(dataset, _column(dataset, name)), f"column '{name}'")
 
 
 def _arrow_to_int64(values: Any, what: str) -> np.ndarray:
@@ -177,9 +180,9 @@ def _arrow_list_lengths(dataset: Any, name: str) -> np.ndarray | None:
         kind = dataset.data.column(name).type
         if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)):
             return None
-    column = _column(dataset, name)
-    _raise_on_null(column, f"column '{name}'")
-    lengths = pc.list_value_length(column)
+    # Lengths first, then the row order: taking the lengths moves 8 bytes a row, not the lists.
+    lengths = _in_row_order(dataset, pc.list_value_length(_column(dataset, name)))
+    _raise_on_null(lengths, f"column '{name}'")  # a null list has a null length
     return np.ascontiguousarray(_to_numpy(lengths.cast(pa.int64())), dtype=np.int64)
 
 

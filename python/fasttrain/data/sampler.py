@@ -1,10 +1,11 @@
 """Drop-in ``LengthGroupedSampler`` and ``DistributedLengthGroupedSampler`` (Rust index order).
 
 Same constructor arguments and the same index order as ``transformers.trainer_pt_utils``' classes for
-the same generator state: the permutation is still ``torch.randperm(n, generator=generator)`` (that is
-what fixes the order, and it is cheap); the megabatch split, the stable descending sort by length and
-the longest-first swap run in Rust without the GIL. Lengths of a ``datasets.Dataset`` come from Arrow
-(see :mod:`fasttrain.data.lengths`) instead of a Python pass over every row.
+the same generator state: the permutation is ``torch.randperm(n, generator=generator)`` (reproduced
+natively from a CPU generator's state, see :func:`randperm`); the megabatch split, the stable
+descending sort by length and the longest-first swap run in Rust without the GIL. Lengths of a
+``datasets.Dataset`` come from Arrow (see :mod:`fasttrain.data.lengths`) instead of a Python pass over
+every row.
 
 Differences from transformers, all where transformers fails: an empty dataset gives an empty order
 (transformers raises in ``torch.argmax``); a distributed order shorter than the padding it needs is
@@ -13,6 +14,7 @@ repeated cyclically (transformers fails an assertion); bad lengths or sizes rais
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import numbers
@@ -24,10 +26,13 @@ import torch
 from torch.utils.data import DistributedSampler, Sampler
 
 from .. import _native
+from .._logging import log_once
 from .lengths import as_length_array, lengths_from_dataset
 
 # Larger batch sizes behave exactly like one megabatch holding everything; clamp so Rust gets a usize.
 _MAX_NATIVE_SIZE = 2**62
+# torch.randperm shuffles with 32-bit draws for n < UINT32_MAX / 20 (the native copy's range).
+_NATIVE_RANDPERM_MAX_N = (2**32 - 1) // 20
 # Indices are turned into Python ints this many at a time, as the iteration reaches them.
 _INT_CHUNK = 1 << 16
 
@@ -57,6 +62,48 @@ def _resolve_lengths(dataset: Any, lengths: Any, model_input_name: str | None) -
     return array
 
 
+def randperm(n: int, generator: torch.Generator | None = None) -> np.ndarray:
+    """``torch.randperm(n, generator=generator).numpy()``, the same permutation and generator state after.
+
+    For a CPU generator the shuffle runs natively from the generator's state (torch's own loop is the
+    slowest step of an epoch's order at a million indices); anything else, or a torch whose generator
+    does not pass the one-time check against ``torch.randperm``, uses ``torch.randperm`` itself.
+    """
+    if generator is None:
+        generator = torch.default_generator
+    if generator.device.type != "cpu" or n >= _NATIVE_RANDPERM_MAX_N or not _native_randperm_agrees():
+        return torch.randperm(n, generator=generator).numpy()
+    # torch holds the generator's lock for one randperm; here get/set_state bracket the shuffle instead,
+    # which differs only if another thread draws from the same generator at the same moment.
+    permutation, state = _native.torch_randperm(n, generator.get_state().numpy())
+    generator.set_state(torch.from_numpy(state))
+    return permutation
+
+
+@functools.cache
+def _native_randperm_agrees() -> bool:
+    """Once per process: the native shuffle gives torch.randperm's permutation and generator state."""
+    try:
+        for seed, draws_before, n in ((0, 0, 0), (1, 0, 1), (2, 3, 2), (3, 700, 1000), (4, 5, 5000)):
+            ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+            for g in (ours, theirs):
+                torch.randint(0, 2**31, (draws_before,), generator=g)  # a state mid-block
+            permutation, state = _native.torch_randperm(n, ours.get_state().numpy())
+            ours.set_state(torch.from_numpy(state))
+            expected = torch.randperm(n, generator=theirs).numpy()
+            if not np.array_equal(permutation, expected) or not torch.equal(
+                ours.get_state(), theirs.get_state()
+            ):
+                raise ValueError(f"differs from torch.randperm at seed={seed}, n={n}")
+    except (ValueError, RuntimeError) as err:
+        log_once(
+            "sampler-native-randperm",
+            f"fasttrain sampler: using torch.randperm (the native shuffle does not match this torch: {err})",
+        )
+        return False
+    return True
+
+
 def length_grouped_indices(
     lengths: np.ndarray,
     batch_size: int,
@@ -65,14 +112,14 @@ def length_grouped_indices(
 ) -> np.ndarray:
     """``transformers.trainer_pt_utils.get_length_grouped_indices`` as an int64 numpy array.
 
-    Draws ``torch.randperm(len(lengths), generator=generator)`` exactly as transformers does.
+    The permutation is ``torch.randperm(len(lengths), generator=generator)``, as in transformers.
     """
     if not (isinstance(lengths, np.ndarray) and lengths.dtype == np.int64 and lengths.flags.c_contiguous):
         lengths = as_length_array(lengths)
     batch_size = _positive_int(batch_size, "batch_size")
     if mega_batch_mult is not None:
         mega_batch_mult = min(_positive_int(mega_batch_mult, "mega_batch_mult"), _MAX_NATIVE_SIZE)
-    permutation = torch.randperm(len(lengths), generator=generator).numpy()
+    permutation = randperm(len(lengths), generator)
     return _native.length_grouped_indices(
         permutation, lengths, min(batch_size, _MAX_NATIVE_SIZE), mega_batch_mult
     )
