@@ -75,10 +75,27 @@ def _pow(base, exponent, USE_LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _to_storage(x, KIND: tl.constexpr):
+    # fp32 -> storage dtype with round-to-nearest-even. Done by hand for bf16 because Triton's
+    # interpreter truncates (the GPU rounds); after this the conversion is exact on both.
+    if KIND == 1:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+        out = x.to(tl.bfloat16)
+    elif KIND == 2:
+        out = x.to(tl.float16)
+    else:
+        out = x
+    return out
+
+
+@triton.jit
 def _adamw_block(
     p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n,
     decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
     MASKED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+    P_KIND: tl.constexpr,
 ):  # fmt: skip
     if MASKED:
         mask = offs < n
@@ -115,13 +132,13 @@ def _adamw_block(
     p = p - step_size * (m / denom)
 
     if MASKED:
-        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+        tl.store(p_ptr + offs, _to_storage(p, P_KIND), mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
         if AMSGRAD:
             tl.store(vmax_ptr + offs, vmax, mask=mask)
     else:
-        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty))
+        tl.store(p_ptr + offs, _to_storage(p, P_KIND))
         tl.store(m_ptr + offs, m)
         tl.store(v_ptr + offs, v)
         if AMSGRAD:
@@ -196,7 +213,7 @@ def _adamw_kernel(
             _adamw_block(
                 p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n,
                 decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
-                False, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE,
+                False, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE, P_KIND,
             )  # fmt: skip
     else:
         # the tail chunk of a tensor: stop at its end (a 1-element bias does one block, not CHUNK/BLOCK)
@@ -205,7 +222,7 @@ def _adamw_kernel(
             _adamw_block(
                 p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n,
                 decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
-                True, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE,
+                True, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE, P_KIND,
             )  # fmt: skip
 
 
