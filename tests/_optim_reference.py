@@ -73,4 +73,27 @@ def assert_bf16_close(ours, ref_fp32, ulps=1):
         ulp = torch.maximum(a32.abs(), b32.abs()) * 2.0**-7  # bf16 keeps 8 significant bits
         floor = 2.0**-8 if ulps > 1 else 0.0
         bad = (a32 - b32).abs() > torch.clamp(ulps * ulp, min=floor)
-        assert not bool(bad.any()), f"{int(bad.sum())} elements beyond {ulps} ulp: max {(a32 - b32).abs().max()}"
+        assert not bool(bad.any()), (
+            f"{int(bad.sum())} elements beyond {ulps} ulp: max {(a32 - b32).abs().max()}"
+        )
+
+
+def bf16_reference_run(ours, ours_p, ref_p, steps, clip):
+    """Reference for bf16 parameters: torch AdamW on fp32 copies, rounded to bf16 after every step,
+    fed the same bf16 gradients (clipped by torch's clip_grad_norm_ on the bf16 gradients)."""
+    ref = torch.optim.AdamW(two_groups(ref_p), lr=1e-2)
+    shadow = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]  # bf16, only for torch's clip
+    for step in range(steps):
+        set_grads([ours_p, shadow], step)
+        if clip is not None:
+            n_ours = ours.clip_grad_norm_(clip)
+            n_ref = torch.nn.utils.clip_grad_norm_(shadow, clip)
+            assert n_ours.dtype == n_ref.dtype == torch.bfloat16
+            torch.testing.assert_close(n_ours.float(), n_ref.float(), rtol=2**-7, atol=0)
+        for q, s in zip(ref_p, shadow, strict=True):
+            q.grad = s.grad.float()
+        ours.step()
+        ref.step()
+        with torch.no_grad():
+            for q in ref_p:
+                q.copy_(q.bfloat16().float())

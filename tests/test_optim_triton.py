@@ -9,17 +9,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fasttrain import FusedAdamW
-from tests._optim_reference import (
+from _optim_reference import (
     SMALL_SHAPES,
     assert_bf16_close,
     assert_params_close,
+    bf16_reference_run,
     clone_params,
     make_params,
     run_pair,
     set_grads,
     two_groups,
 )
+from fasttrain import FusedAdamW
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
@@ -56,7 +57,9 @@ def test_fp32_matches_torch_adamw(clip):
         torch.testing.assert_close(n_ours, n_ref, rtol=1e-6, atol=0)
     assert_params_close(ours_p, ref_p)
     for p, q in zip(ours_p, ref_p, strict=True):
-        torch.testing.assert_close(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(
+            ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"], rtol=1e-5, atol=1e-9
+        )
 
 
 def test_amsgrad_maximize_tensor_lr():
@@ -71,17 +74,17 @@ def test_amsgrad_maximize_tensor_lr():
         ref.step()
     assert_params_close(ours_p, ref_p)
     for p, q in zip(ours_p, ref_p, strict=True):
-        torch.testing.assert_close(ours.state[p]["max_exp_avg_sq"], ref.state[q]["max_exp_avg_sq"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            ours.state[p]["max_exp_avg_sq"], ref.state[q]["max_exp_avg_sq"], rtol=1e-5, atol=0
+        )
 
 
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_bf16_within_bf16_rounding(clip):
-    from tests.test_optim import _bf16_reference_run
-
     ours_p = make_params(SMALL_SHAPES, dtype=torch.bfloat16)
     ref_p = [torch.nn.Parameter(p.detach().float()) for p in ours_p]
     ours = FusedAdamW(two_groups(ours_p), lr=1e-2, backend="triton")
-    _bf16_reference_run(ours, ours_p, ref_p, steps=12, clip=clip)
+    bf16_reference_run(ours, ours_p, ref_p, steps=12, clip=clip)
     assert_bf16_close(ours_p, ref_p, ulps=1 if clip is None else 2)
 
 
@@ -119,7 +122,10 @@ def test_norm_kernel_matches_torch(norm_type):
     opt = FusedAdamW(ps, backend="triton")
     set_grads([ps, ref], 3)
     torch.testing.assert_close(
-        opt.clip_grad_norm_(1.0, norm_type), torch.nn.utils.clip_grad_norm_(ref, 1.0, norm_type), rtol=1e-6, atol=0
+        opt.clip_grad_norm_(1.0, norm_type),
+        torch.nn.utils.clip_grad_norm_(ref, 1.0, norm_type),
+        rtol=1e-6,
+        atol=0,
     )
 
 
