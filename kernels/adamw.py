@@ -53,14 +53,14 @@ ROW_PARAM, ROW_GRAD, ROW_EXP_AVG, ROW_EXP_AVG_SQ, ROW_MAX_EXP_AVG_SQ, ROW_STEP =
 def _typed_ptr(addr, KIND: tl.constexpr, ALIGNED: tl.constexpr):
     # the launcher checked that every address is 16-byte aligned when ALIGNED is set: telling the
     # compiler lets it vectorize loads of pointers it cannot see
-    if ALIGNED:
-        addr = tl.multiple_of(addr, 16)
     if KIND == 0:
         ptr = addr.to(tl.pointer_type(tl.float32))
     elif KIND == 1:
         ptr = addr.to(tl.pointer_type(tl.bfloat16))
     else:
         ptr = addr.to(tl.pointer_type(tl.float16))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
     return ptr
 
 
@@ -209,7 +209,9 @@ def _adamw_kernel(
     if start + CHUNK_SIZE <= n:
         # a full chunk: no masks, so the loads can be vectorized
         for i in tl.range(0, CHUNK_SIZE, BLOCK_SIZE):
-            offs = start + i + base
+            # chunk starts are multiples of CHUNK_SIZE, itself a multiple of BLOCK_SIZE: say so, or the
+            # compiler cannot prove alignment of offsets loaded from memory and will not vectorize
+            offs = tl.max_contiguous(tl.multiple_of(start + i + base, BLOCK_SIZE), BLOCK_SIZE)
             _adamw_block(
                 p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n,
                 decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
@@ -217,8 +219,8 @@ def _adamw_kernel(
             )  # fmt: skip
     else:
         # the tail chunk of a tensor: stop at its end (a 1-element bias does one block, not CHUNK/BLOCK)
-        for i in tl.range(0, n - start, BLOCK_SIZE):
-            offs = start + i + base
+        for j in tl.range(0, n - start, BLOCK_SIZE):  # j, not i: an int64 here, an int32 above
+            offs = start + j + base
             _adamw_block(
                 p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n,
                 decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
@@ -245,14 +247,15 @@ def _norm_partial_kernel(
     acc = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
     if start + CHUNK_SIZE <= n:
         for i in tl.range(0, CHUNK_SIZE, BLOCK_SIZE):
-            x = tl.load(g_ptr + start + i + base).to(tl.float32)
+            offs = tl.max_contiguous(tl.multiple_of(start + i + base, BLOCK_SIZE), BLOCK_SIZE)
+            x = tl.load(g_ptr + offs).to(tl.float32)
             if NORM_INF:
                 acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
             else:
                 acc += x * x
     else:
-        for i in tl.range(0, n - start, BLOCK_SIZE):
-            offs = start + i + base
+        for j in tl.range(0, n - start, BLOCK_SIZE):  # j, not i: an int64 here, an int32 above
+            offs = start + j + base
             x = tl.load(g_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
             if NORM_INF:
                 acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
@@ -318,7 +321,13 @@ class TensorTable:
     addresses do not change (the optimizer keys its cache on them).
     """
 
-    def __init__(self, rows: Sequence[Sequence[torch.Tensor | None]], device: torch.device, chunk: int = CHUNK):
+    def __init__(
+        self, rows: Sequence[Sequence[torch.Tensor | None]], device: torch.device, chunk: int | None = None
+    ):
+        chunk = CHUNK if chunk is None else chunk  # read at call time: tests and benchmarks tune it
+        if chunk % BLOCK:
+            # the kernels tell the compiler that chunk starts are multiples of BLOCK (for vector loads)
+            raise ValueError(f"chunk ({chunk}) must be a multiple of BLOCK ({BLOCK})")
         n_tensors = len(rows[0])
         numels = [t.numel() for t in rows[0]]
         addrs = [[0 if t is None else t.data_ptr() for t in row] for row in rows]

@@ -34,12 +34,6 @@ def small_chunks(monkeypatch):
 
     monkeypatch.setattr(kernels, "CHUNK", 2048)
     monkeypatch.setattr(kernels, "BLOCK", 512)
-    orig_init = kernels.TensorTable.__init__
-
-    def init(self, rows, device, chunk=2048):
-        orig_init(self, rows, device, chunk=chunk)
-
-    monkeypatch.setattr(kernels.TensorTable, "__init__", init)
 
 
 def _device():
