@@ -9,9 +9,9 @@ SMALL_SHAPES = [(), (1,), (1023,), (4097,), (33, 65), (3, 5, 7)]
 LARGE_SHAPES = [*SMALL_SHAPES, (70_000,), (257, 515), (3, 129, 200)]
 
 
-def make_params(shapes, dtype=torch.float32, seed=0) -> list[torch.nn.Parameter]:
+def make_params(shapes, dtype=torch.float32, seed=0, device="cpu") -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(device=device, dtype=dtype)) for s in shapes]
 
 
 def clone_params(params) -> list[torch.nn.Parameter]:
@@ -33,7 +33,7 @@ def set_grads(params_lists, step, scale=1.0, dtype=None):
     for ps in zip(*params_lists, strict=True):
         grad = torch.randn(ps[0].shape, generator=g) * scale
         for p in ps:
-            p.grad = grad.to(dtype or p.dtype).clone()
+            p.grad = grad.to(device=p.device, dtype=dtype or p.dtype).clone()
 
 
 def run_pair(ours, ref, params_ours, params_ref, steps=20, clip=None, lr_change_at=10, grad_scale=1.0):

@@ -6,6 +6,8 @@ per-tensor norm reduction over several partials) without the interpreter's cost 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -15,15 +17,17 @@ from _optim_reference import (
     assert_params_close,
     bf16_reference_run,
     clone_params,
-    make_params,
     run_pair,
     set_grads,
     two_groups,
 )
+from _optim_reference import (
+    make_params as _make_params,
+)
 from fasttrain import FusedAdamW
 
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="the Triton path needs CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)",
 )
 
@@ -36,8 +40,12 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(kernels, "BLOCK", 512)
 
 
-def _device():
-    return "cuda" if torch.cuda.is_available() else "cpu"
+# on a CUDA machine the kernel runs compiled on the GPU; here, interpreted on CPU tensors
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+
+def make_params(shapes, dtype=torch.float32):
+    return _make_params(shapes, dtype=dtype, device=DEVICE)
 
 
 @pytest.mark.parametrize("clip", [None, 1.0])
@@ -59,7 +67,7 @@ def test_fp32_matches_torch_adamw(clip):
 def test_amsgrad_maximize_tensor_lr():
     ours_p = make_params(SMALL_SHAPES[2:5])
     ref_p = clone_params(ours_p)
-    ours = FusedAdamW(ours_p, lr=torch.tensor(1e-2), amsgrad=True, maximize=True, backend="triton")
+    ours = FusedAdamW(ours_p, lr=torch.tensor(1e-2, device=DEVICE), amsgrad=True, maximize=True, backend="triton")
     ref = torch.optim.AdamW(ref_p, lr=1e-2, amsgrad=True, maximize=True)
     # shrinking gradients make max_exp_avg_sq differ from exp_avg_sq
     for step in range(8):
@@ -145,8 +153,8 @@ def test_grad_scaler_inf_step_skipped_without_sync(param_dtype, monkeypatch):
     ref_p = clone_params(ours_p)
     ours = FusedAdamW(ours_p, lr=1e-3, backend="triton")
     ref = FusedAdamW(ref_p, lr=1e-3, backend="torch")
-    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
-    ref_scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    scaler = torch.amp.GradScaler(DEVICE, init_scale=256.0)
+    ref_scaler = torch.amp.GradScaler(DEVICE, init_scale=256.0)
     for s in (scaler, ref_scaler):
         s.scale(torch.ones(()))
     for step in range(4):
@@ -199,7 +207,7 @@ def test_state_dict_round_trip_with_torch_adamw():
 
 
 def test_noncontiguous_parameter_falls_back_to_torch():
-    base = torch.randn(20, 30)
+    base = torch.randn(20, 30, device=DEVICE)
     p = torch.nn.Parameter(base.t())  # non-contiguous
     q = torch.nn.Parameter(p.detach().clone())
     ours = FusedAdamW([p], lr=1e-2, backend="triton")
