@@ -6,15 +6,16 @@ One launch covers every tensor of a parameter group: the launcher writes a table
 pointers and updates one CHUNK of one tensor. A 0.6B model has hundreds of small tensors, so one
 launch per tensor would be launch-bound.
 
-Math follows ``torch.optim.AdamW(fused=True)`` (torch's ``FusedAdamMathFunctor``), in fp32 whatever
-the storage dtype of params/grads (fp32, bf16, fp16); states are fp32:
+Math follows ``torch.optim.AdamW`` (its single-tensor path, operation by operation, so the fp32
+roundings agree), in fp32 whatever the storage dtype of params/grads (fp32, bf16, fp16); states are
+fp32; bias corrections in fp64 as torch computes them in Python floats:
 
     g = grad / grad_scale * clip_coef (negated if maximize)
-    p -= lr * weight_decay * p
-    m = beta1 * m + (1 - beta1) * g
-    v = beta2 * v + (1 - beta2) * g * g
+    p *= 1 - lr * weight_decay
+    m = lerp(m, g, 1 - beta1)
+    v = v * beta2 + (1 - beta2) * g * g
     denom = sqrt(v (or max(v_max, v) with amsgrad)) / sqrt(1 - beta2 ** step) + eps
-    p -= lr / (1 - beta1 ** step) * m / denom
+    p -= lr / (1 - beta1 ** step) * (m / denom)
 
 Hyperparameters are runtime scalars (or device scalars), never constexprs: a scheduler changing lr
 never recompiles. A step whose ``found_inf`` flag is set leaves everything untouched, decided on the
@@ -226,8 +227,6 @@ def _adamw_kernel(
                 decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
                 True, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE, P_KIND,
             )  # fmt: skip
-
-
 
 
 @triton.jit
