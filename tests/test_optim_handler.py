@@ -106,3 +106,47 @@ def test_deepspeed_optimizer_section_detected(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="fasttrain"):
         handler.fused_adamw_handler(ctx)
     assert "DeepSpeed builds its own optimizer" in caplog.text
+
+
+class _TinyRegressor(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.out = torch.nn.Linear(16, 3)
+
+    def forward(self, x, labels=None):
+        pred = self.out(self.norm(torch.tanh(self.lin(x))))
+        return {"loss": torch.nn.functional.mse_loss(pred, labels), "logits": pred}
+
+
+def _train(tmp_path, fused: bool):
+    torch.manual_seed(0)
+    model = _TinyRegressor()
+    g = torch.Generator().manual_seed(1)
+    data = [{"x": torch.randn(8, generator=g), "labels": torch.randn(3, generator=g) * 5} for _ in range(24)]
+    args = _args(
+        tmp_path, optim="adamw_torch_fused", learning_rate=1e-2, max_grad_norm=0.5, max_steps=6,
+        per_device_train_batch_size=4, logging_steps=1, save_strategy="no", seed=0, weight_decay=0.01,
+    )  # fmt: skip
+    if fused:
+        handler.install_optimizer_handlers()
+    try:
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+    finally:
+        handler.uninstall_optimizer_handlers()
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    return trainer, norms, [p.detach().clone() for p in model.parameters()]
+
+
+def test_trainer_run_matches_torch_adamw(tmp_path):
+    """A short Trainer run with the hook gives the parameters and logged grad norms of torch's AdamW."""
+    ref_trainer, ref_norms, ref_params = _train(tmp_path / "ref", fused=False)
+    trainer, norms, params = _train(tmp_path / "ours", fused=True)
+    assert isinstance(trainer.optimizer.optimizer, FusedAdamW)
+    assert isinstance(ref_trainer.optimizer.optimizer, torch.optim.AdamW)
+    assert len(norms) == 6 and max(norms) > 0.5  # clipping was active
+    assert norms == pytest.approx(ref_norms, rel=1e-6)
+    for a, b in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
