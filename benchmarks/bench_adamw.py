@@ -104,7 +104,10 @@ def run_regime(shapes, target_norm: float, max_norm: float, reps: int, warmup: i
     # both optimizers did the same work: same parameters
     max_diff = max((a - b).abs().max().item() for a, b in zip(our_p, ref_p, strict=True))
     med = {k: statistics.median(v) for k, v in times.items()}
+    best = {k: min(v) for k, v in times.items()}  # least disturbed by other tenants of a shared machine
     return {
+        "min_ms": best,
+        "speedup_clip_step_min": best["reference_clip_step"] / best["fasttrain_clip_step"],
         "grad_norm": target_norm,
         "max_norm": max_norm,
         "clipping_active": target_norm > max_norm,
@@ -165,17 +168,23 @@ def main() -> None:
         f"- reference: {result['reference']}; fasttrain: {result['fasttrain']}",
         f"- medians of {args.reps} alternating repetitions ({args.warmup} warm-up)",
         "",
-        "| regime | reference clip+step (ms) | fasttrain clip+step (ms) | speedup | reference step (ms) "
-        "| fasttrain step (ms) | max abs param diff |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| regime | reference clip+step (ms) | fasttrain clip+step (ms) | speedup (medians) | speedup (minima) "
+        "| reference step (ms) | fasttrain step (ms) | max abs param diff |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, r in regimes.items():
         m = r["median_ms"]
         lines.append(
             f"| {name} | {m['reference_clip_step']:.1f} | {m['fasttrain_clip_step']:.1f} | "
-            f"{r['speedup_clip_step']:.2f}x | {m['reference_step']:.1f} | {m['fasttrain_step']:.1f} | "
+            f"{r['speedup_clip_step']:.2f}x | {r['speedup_clip_step_min']:.2f}x | "
+            f"{m['reference_step']:.1f} | {m['fasttrain_step']:.1f} | "
             f"{r['max_abs_param_diff']:.1e} |"
         )
+    lines += [
+        "",
+        "Times are medians in ms. The step-only columns run the same torch kernel on both sides: their ratio",
+        "shows how much the other tenants of the machine disturbed the run.",
+    ]
     (out / "adamw_cpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
