@@ -6,15 +6,16 @@ One launch covers every tensor of a parameter group: the launcher writes a table
 pointers and updates one CHUNK of one tensor. A 0.6B model has hundreds of small tensors, so one
 launch per tensor would be launch-bound.
 
-Math follows ``torch.optim.AdamW(fused=True)`` (torch's ``FusedAdamMathFunctor``), in fp32 whatever
-the storage dtype of params/grads (fp32, bf16, fp16); states are fp32:
+Math follows ``torch.optim.AdamW`` (its single-tensor path, operation by operation, so the fp32
+roundings agree), in fp32 whatever the storage dtype of params/grads (fp32, bf16, fp16); states are
+fp32; bias corrections in fp64 as torch computes them in Python floats:
 
     g = grad / grad_scale * clip_coef (negated if maximize)
-    p -= lr * weight_decay * p
-    m = beta1 * m + (1 - beta1) * g
-    v = beta2 * v + (1 - beta2) * g * g
+    p *= 1 - lr * weight_decay
+    m = lerp(m, g, 1 - beta1)
+    v = v * beta2 + (1 - beta2) * g * g
     denom = sqrt(v (or max(v_max, v) with amsgrad)) / sqrt(1 - beta2 ** step) + eps
-    p -= lr / (1 - beta1 ** step) * m / denom
+    p -= lr / (1 - beta1 ** step) * (m / denom)
 
 Hyperparameters are runtime scalars (or device scalars), never constexprs: a scheduler changing lr
 never recompiles. A step whose ``found_inf`` flag is set leaves everything untouched, decided on the
@@ -53,14 +54,14 @@ ROW_PARAM, ROW_GRAD, ROW_EXP_AVG, ROW_EXP_AVG_SQ, ROW_MAX_EXP_AVG_SQ, ROW_STEP =
 def _typed_ptr(addr, KIND: tl.constexpr, ALIGNED: tl.constexpr):
     # the launcher checked that every address is 16-byte aligned when ALIGNED is set: telling the
     # compiler lets it vectorize loads of pointers it cannot see
-    if ALIGNED:
-        addr = tl.multiple_of(addr, 16)
     if KIND == 0:
         ptr = addr.to(tl.pointer_type(tl.float32))
     elif KIND == 1:
         ptr = addr.to(tl.pointer_type(tl.bfloat16))
     else:
         ptr = addr.to(tl.pointer_type(tl.float16))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
     return ptr
 
 
@@ -75,10 +76,27 @@ def _pow(base, exponent, USE_LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _to_storage(x, KIND: tl.constexpr):
+    # fp32 -> storage dtype with round-to-nearest-even. Done by hand for bf16 because Triton's
+    # interpreter truncates (the GPU rounds); after this the conversion is exact on both.
+    if KIND == 1:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+        out = x.to(tl.bfloat16)
+    elif KIND == 2:
+        out = x.to(tl.float16)
+    else:
+        out = x
+    return out
+
+
+@triton.jit
 def _adamw_block(
     p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n,
     decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
     MASKED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+    P_KIND: tl.constexpr,
 ):  # fmt: skip
     if MASKED:
         mask = offs < n
@@ -115,13 +133,13 @@ def _adamw_block(
     p = p - step_size * (m / denom)
 
     if MASKED:
-        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+        tl.store(p_ptr + offs, _to_storage(p, P_KIND), mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
         if AMSGRAD:
             tl.store(vmax_ptr + offs, vmax, mask=mask)
     else:
-        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty))
+        tl.store(p_ptr + offs, _to_storage(p, P_KIND))
         tl.store(m_ptr + offs, m)
         tl.store(v_ptr + offs, v)
         if AMSGRAD:
@@ -192,23 +210,23 @@ def _adamw_kernel(
     if start + CHUNK_SIZE <= n:
         # a full chunk: no masks, so the loads can be vectorized
         for i in tl.range(0, CHUNK_SIZE, BLOCK_SIZE):
-            offs = start + i + base
+            # chunk starts are multiples of CHUNK_SIZE, itself a multiple of BLOCK_SIZE: say so, or the
+            # compiler cannot prove alignment of offsets loaded from memory and will not vectorize
+            offs = tl.max_contiguous(tl.multiple_of(start + i + base, BLOCK_SIZE), BLOCK_SIZE)
             _adamw_block(
                 p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n,
                 decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
-                False, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE,
+                False, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE, P_KIND,
             )  # fmt: skip
     else:
         # the tail chunk of a tensor: stop at its end (a 1-element bias does one block, not CHUNK/BLOCK)
-        for i in tl.range(0, n - start, BLOCK_SIZE):
-            offs = start + i + base
+        for j in tl.range(0, n - start, BLOCK_SIZE):  # j, not i: an int64 here, an int32 above
+            offs = start + j + base
             _adamw_block(
                 p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n,
                 decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
-                True, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE,
+                True, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE, P_KIND,
             )  # fmt: skip
-
-
 
 
 @triton.jit
@@ -228,14 +246,15 @@ def _norm_partial_kernel(
     acc = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
     if start + CHUNK_SIZE <= n:
         for i in tl.range(0, CHUNK_SIZE, BLOCK_SIZE):
-            x = tl.load(g_ptr + start + i + base).to(tl.float32)
+            offs = tl.max_contiguous(tl.multiple_of(start + i + base, BLOCK_SIZE), BLOCK_SIZE)
+            x = tl.load(g_ptr + offs).to(tl.float32)
             if NORM_INF:
                 acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
             else:
                 acc += x * x
     else:
-        for i in tl.range(0, n - start, BLOCK_SIZE):
-            offs = start + i + base
+        for j in tl.range(0, n - start, BLOCK_SIZE):  # j, not i: an int64 here, an int32 above
+            offs = start + j + base
             x = tl.load(g_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
             if NORM_INF:
                 acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
@@ -301,7 +320,13 @@ class TensorTable:
     addresses do not change (the optimizer keys its cache on them).
     """
 
-    def __init__(self, rows: Sequence[Sequence[torch.Tensor | None]], device: torch.device, chunk: int = CHUNK):
+    def __init__(
+        self, rows: Sequence[Sequence[torch.Tensor | None]], device: torch.device, chunk: int | None = None
+    ):
+        chunk = CHUNK if chunk is None else chunk  # read at call time: tests and benchmarks tune it
+        if chunk % BLOCK:
+            # the kernels tell the compiler that chunk starts are multiples of BLOCK (for vector loads)
+            raise ValueError(f"chunk ({chunk}) must be a multiple of BLOCK ({BLOCK})")
         n_tensors = len(rows[0])
         numels = [t.numel() for t in rows[0]]
         addrs = [[0 if t is None else t.data_ptr() for t in row] for row in rows]

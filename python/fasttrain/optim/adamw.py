@@ -59,7 +59,9 @@ def _check_hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any, whe
         raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
     for i, beta in enumerate(betas):
         if isinstance(beta, torch.Tensor) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-            raise ValueError(f"{where}: invalid beta parameter at index {i}: {beta!r} (must be a float in [0, 1))")
+            raise ValueError(
+                f"{where}: invalid beta parameter at index {i}: {beta!r} (must be a float in [0, 1))"
+            )
     if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
         raise ValueError(f"{where}: invalid weight_decay {weight_decay!r} (must be a number >= 0)")
 
@@ -189,7 +191,11 @@ class FusedAdamW(torch.optim.Optimizer):
                 param, dtype=_state_dtype(param), memory_format=torch.preserve_format
             )
         step = state["step"]
-        if not isinstance(step, torch.Tensor) or step.device != local(param).device or step.dtype != torch.float32:
+        if (
+            not isinstance(step, torch.Tensor)
+            or step.device != local(param).device
+            or step.dtype != torch.float32
+        ):
             # a state set by hand or loaded without our load_state_dict
             state["step"] = self._step_tensor(param, float(step))
         return state
@@ -324,7 +330,9 @@ class FusedAdamW(torch.optim.Optimizer):
             )
             for (device, p_dtype, g_dtype), bucket in buckets.items():
                 self._triton_step(group, bucket, device, p_dtype, g_dtype, clip_coef, grad_scale, found_inf)
-            for (device, _dtype), bucket in group_by(torch_params, lambda p: (local(p).device, local(p).dtype)).items():
+            for (device, _dtype), bucket in group_by(
+                torch_params, lambda p: (local(p).device, local(p).dtype)
+            ).items():
                 self._torch_step(group, bucket, device, grad_scale, found_inf)
         return loss
 

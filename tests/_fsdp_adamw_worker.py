@@ -1,0 +1,86 @@
+"""Worker of tests/test_optim_fsdp.py: FSDP2 (fully_shard, gloo, CPU) with FusedAdamW vs torch AdamW.
+
+Each rank trains three copies of one small model (same init, same per-rank data): torch's
+``clip_grad_norm_`` + ``torch.optim.AdamW`` (the reference), and FusedAdamW with both backends, whose
+``clip_grad_norm_`` reduces the norm over the shards itself. Parameters are sharded unevenly (odd
+row counts) so the ranks' local shards differ in size.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def _build(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 33),
+        torch.nn.Tanh(),
+        torch.nn.Linear(33, 7),
+        torch.nn.Tanh(),
+        torch.nn.Linear(7, 5),
+    )
+
+
+def _train(kind: str, rank: int, steps: int, max_norm: float):
+    from torch.distributed.fsdp import fully_shard
+
+    from fasttrain import FusedAdamW
+
+    model = _build(0)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
+        {
+            "params": [p for n, p in model.named_parameters() if n.endswith("bias")],
+            "weight_decay": 0.0,
+            "lr": 3e-3,
+        },
+    ]
+    if kind == "reference":
+        opt = torch.optim.AdamW(groups, lr=1e-2)
+    else:
+        opt = FusedAdamW(groups, lr=1e-2, backend=kind)
+    norms = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(8, 12, generator=g) * 3
+        model(x).pow(2).mean().backward()
+        if kind == "reference":
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        else:
+            norm = opt.clip_grad_norm_(max_norm)
+        norms.append(float(norm))
+        opt.step()
+        opt.zero_grad()
+    params = [p.full_tensor().detach().clone() for p in model.parameters()]
+    return norms, params
+
+
+def main(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        steps, max_norm = 12, 0.05
+        ref_norms, ref_params = _train("reference", rank, steps, max_norm)
+        assert max(ref_norms) > max_norm, "the test must actually clip"
+        for kind in ("torch", "triton"):
+            norms, params = _train(kind, rank, steps, max_norm)
+            for a, b in zip(norms, ref_norms, strict=True):
+                assert abs(a - b) <= 1e-6 * abs(b), (kind, norms, ref_norms)
+            for a, b in zip(params, ref_params, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m, k=kind: f"{k}: {m}")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    os._exit(0)
