@@ -46,10 +46,7 @@ def _child(case: str, impl: str, steps: int, tokens: int) -> None:
 
     torch.manual_seed(0)
     baseline = _rss_bytes()
-    if case == "loss":
-        step = _loss_step(impl, tokens)
-    else:
-        step = _model_step(impl, tokens)
+    step = _loss_step(impl, tokens) if case == "loss" else _model_step(impl, tokens)
     times = []
     for i in range(steps + 1):
         t0 = time.perf_counter()
@@ -147,13 +144,19 @@ def _versions() -> dict:
 
     import fasttrain
 
-    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
     out["fasttrain"] = fasttrain.__version__
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--child", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
     parser.add_argument("--cases", default="loss,model", help="comma-separated: loss, model")
     parser.add_argument("--rounds", type=int, default=3, help="alternating reference/fasttrain rounds")

@@ -39,7 +39,7 @@ if "--smoke" in sys.argv and os.environ.get("TRITON_INTERPRET") is None:
     except ImportError:  # pragma: no cover
         pass
 
-import torch  # noqa: E402
+import torch
 
 IMPLS = ("torch", "torch_compile", "liger", "cce", "fasttrain")
 
@@ -123,7 +123,11 @@ def run_shape(tokens, hidden_size, vocab, impls, fns, device, reps, deadline):
                 torch.cuda.reset_peak_memory_stats()
             loss = step(fns[impl])
             peak = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else None
-            out[impl] = {"loss": float(loss), "peak_gib": None if peak is None else peak / 2**30, "times": []}
+            out[impl] = {
+                "loss": float(loss.detach()),
+                "peak_gib": None if peak is None else peak / 2**30,
+                "times": [],
+            }
         except Exception as exc:  # OOM or a library that does not run here: record and go on
             out[impl] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             hidden.grad = weight.grad = None
@@ -139,8 +143,7 @@ def run_shape(tokens, hidden_size, vocab, impls, fns, device, reps, deadline):
         times = out[impl].pop("times")
         out[impl]["time_ms"] = statistics.median(times) * 1e3 if times else None
         out[impl]["reps"] = len(times)
-    hidden.grad = weight.grad = None
-    del hidden, weight, labels
+    hidden.grad = weight.grad = None  # the inputs go with this frame
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -159,7 +162,9 @@ def versions() -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU (Triton interpreter)")
     parser.add_argument("--tokens", default="8192,16384,32768")
@@ -190,7 +195,11 @@ def main() -> None:
     shapes = [(int(t), int(v)) for v in args.vocabs.split(",") for t in args.tokens.split(",")]
     results = []
     for tokens, vocab in shapes:
-        print(f"[bench_loss_gpu] tokens={tokens} hidden={args.hidden} vocab={vocab}", file=sys.stderr, flush=True)
+        print(
+            f"[bench_loss_gpu] tokens={tokens} hidden={args.hidden} vocab={vocab}",
+            file=sys.stderr,
+            flush=True,
+        )
         try:
             res = run_shape(tokens, args.hidden, vocab, impls, fns, device, args.reps, deadline)
         except Exception:
@@ -203,7 +212,12 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({platform.processor()})",
         "versions": versions(),
-        "settings": {"reps": args.reps, "dtype": "bfloat16", "fasttrain_backend": backend, "smoke": args.smoke},
+        "settings": {
+            "reps": args.reps,
+            "dtype": "bfloat16",
+            "fasttrain_backend": backend,
+            "smoke": args.smoke,
+        },
         "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)
