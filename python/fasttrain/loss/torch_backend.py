@@ -25,18 +25,24 @@ def cross_entropy_chunk(
     compute_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows, n_cols = logits.shape
-    x = logits.float()  # [rows, V] fp32 (a copy for bf16/fp16; a view of the fp32 input otherwise)
+    x = logits.float()  # [rows, V] fp32: a copy for bf16/fp16, the logits themselves for fp32
     tanh = None
     if softcap is not None:
         tanh = torch.tanh(x / softcap)
         x = tanh * softcap
-    lse = torch.logsumexp(x, dim=-1)  # [rows]
     valid = labels != ignore_index
     safe_labels = torch.where(valid, labels, 0).unsqueeze(1)  # ignored rows read column 0, then masked
     target = x.gather(1, safe_labels).squeeze(1)
+    logit_sum = x.sum(dim=-1) if label_smoothing else None
+    # One exponential pass serves both the log-sum-exp and the gradient: x <- exp(x - max) in place
+    # (x is chunk-owned: a copy, or fp32 logits that are consumed by now).
+    row_max = x.amax(dim=-1, keepdim=True)
+    x.sub_(row_max).exp_()
+    sum_exp = x.sum(dim=-1)
+    lse = row_max.squeeze(1) + sum_exp.log()
     loss = lse - target
     if label_smoothing:
-        loss = lse - (1.0 - label_smoothing) * target - (label_smoothing / n_cols) * x.sum(dim=-1)
+        loss = lse - (1.0 - label_smoothing) * target - (label_smoothing / n_cols) * logit_sum
     if z_loss:
         loss = loss + z_loss * lse * lse
     zero = loss.new_zeros(())
@@ -48,15 +54,13 @@ def cross_entropy_chunk(
     assert scale is not None
     row_scale = scale.to(device=x.device, dtype=torch.float32).reshape(-1).expand(rows) * valid
     softmax_scale = row_scale * (1.0 + 2.0 * z_loss * lse) if z_loss else row_scale
-    # grad = softmax * softmax_scale - smoothing - (1 - eps) * onehot, built in place in one fp32 buffer
-    # x is chunk-owned (an fp32 copy, or the fp32 logits that are overwritten anyway): reuse it in place
-    grad = x.sub_(lse.unsqueeze(1))
-    grad.exp_().mul_(softmax_scale.unsqueeze(1))
+    # grad = softmax * softmax_scale - smoothing - (1 - eps) * onehot, built in place in x
+    grad = x.mul_((softmax_scale / sum_exp).unsqueeze(1))
     if label_smoothing:
         grad.sub_((row_scale * (label_smoothing / n_cols)).unsqueeze(1))
     grad.scatter_add_(1, safe_labels, -(row_scale * (1.0 - label_smoothing)).unsqueeze(1))
     if tanh is not None:
-        grad.mul_(1.0 - tanh * tanh)
+        grad.mul_(tanh.mul_(tanh).neg_().add_(1.0))
     if grad.data_ptr() != logits.data_ptr():
         logits.copy_(grad)
     return loss, lse_out

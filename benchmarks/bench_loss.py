@@ -1,0 +1,249 @@
+"""CPU benchmark: chunked fused-linear cross-entropy vs materialised logits, side by side.
+
+Two cases, each measured in a fresh subprocess per run (so one run's memory cannot hide another's),
+reference and fasttrain alternating, medians over rounds:
+
+- ``loss``: loss + backward at 4,096 tokens x hidden 512 x vocab 151,936 (fp32). Reference:
+  ``logits = hidden @ weight.T`` then transformers' ``ForCausalLMLoss`` path (``.float()`` +
+  ``F.cross_entropy``); ours: ``fasttrain.fused_linear_cross_entropy`` (backend auto = PyTorch on CPU).
+- ``model``: forward + backward of a Qwen3-shaped model (hidden 256, 2 layers, vocab 151,936) on
+  4 x 1,024 tokens with labels. Reference: the unpatched transformers model; ours: the same model
+  after ``fasttrain.loss.model_patch.enable_fused_loss``.
+
+Memory: peak RSS of the child (``ru_maxrss``) minus its RSS after imports, i.e. inputs, parameters and
+everything the step allocates. Time: median wall time of the timed steps inside a child (after one
+warm-up step), then the median over rounds.
+
+    python benchmarks/bench_loss.py                 # writes benchmarks/results/loss_cpu.{json,md}
+    python benchmarks/bench_loss.py --rounds 1 --tokens 256   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+VOCAB = 151_936
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _child(case: str, impl: str, steps: int, tokens: int) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    baseline = _rss_bytes()
+    step = _loss_step(impl, tokens) if case == "loss" else _model_step(impl, tokens)
+    times = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        loss = step()
+        if i:  # the first step warms up
+            times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kB
+    print(json.dumps({"time_s": statistics.median(times), "peak_bytes": peak - baseline, "loss": loss}))
+
+
+def _loss_step(impl: str, tokens: int):
+    import torch
+    from transformers.loss.loss_utils import fixed_cross_entropy
+
+    from fasttrain import fused_linear_cross_entropy
+
+    hidden = torch.randn(tokens, 512, requires_grad=True)
+    weight = torch.randn(VOCAB, 512).mul_(0.02).requires_grad_()
+    labels = torch.randint(0, VOCAB, (tokens,))
+    labels[::5] = -100
+
+    def step() -> float:
+        hidden.grad = weight.grad = None
+        if impl == "reference":
+            logits = hidden @ weight.t()
+            loss = fixed_cross_entropy(logits.float(), labels)  # what ForCausalLMLoss runs after its shift
+        else:
+            loss = fused_linear_cross_entropy(hidden, weight, labels)
+        loss.backward()
+        return float(loss)
+
+    return step
+
+
+def _model_step(impl: str, tokens: int):
+    import torch
+    import transformers
+
+    from fasttrain.loss.model_patch import enable_fused_loss
+
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+    )
+    model = transformers.Qwen3ForCausalLM(config).train()
+    if impl == "fasttrain":
+        assert enable_fused_loss(model) is None
+    seq = tokens // 4
+    input_ids = torch.randint(0, VOCAB, (4, seq))
+    labels = input_ids.clone()
+    labels[:, : seq // 4] = -100
+
+    def step() -> float:
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=input_ids, labels=labels)
+        out.loss.backward()
+        return float(out.loss)
+
+    return step
+
+
+def _run_child(case: str, impl: str, steps: int, tokens: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", case, impl, "--steps", str(steps), "--tokens", str(tokens)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{case}/{impl} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _machine() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads_used": _torch_threads()}
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _versions() -> dict:
+    import torch
+    import transformers
+
+    import fasttrain
+
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    out["fasttrain"] = fasttrain.__version__
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--child", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
+    parser.add_argument("--cases", default="loss,model", help="comma-separated: loss, model")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating reference/fasttrain rounds")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per child (after one warm-up)")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--name", default="loss_cpu")
+    args = parser.parse_args()
+    if args.child:
+        _child(args.child[0], args.child[1], args.steps, args.tokens)
+        return
+
+    results = {}
+    for case in args.cases.split(","):
+        runs: dict[str, list[dict]] = {"reference": [], "fasttrain": []}
+        for r in range(args.rounds):
+            order = ("reference", "fasttrain") if r % 2 == 0 else ("fasttrain", "reference")
+            for impl in order:
+                res = _run_child(case, impl, args.steps, args.tokens)
+                runs[impl].append(res)
+                print(f"[{case}] round {r} {impl}: {res}", file=sys.stderr)
+        summary = {}
+        for impl, rs in runs.items():
+            summary[impl] = {
+                "time_s": statistics.median(x["time_s"] for x in rs),
+                "peak_mib": statistics.median(x["peak_bytes"] for x in rs) / 2**20,
+                "loss": rs[0]["loss"],
+                "runs": rs,
+            }
+        summary["memory_ratio"] = summary["reference"]["peak_mib"] / summary["fasttrain"]["peak_mib"]
+        summary["speedup"] = summary["reference"]["time_s"] / summary["fasttrain"]["time_s"]
+        results[case] = summary
+
+    record = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": _machine(),
+        "versions": _versions(),
+        "settings": {"rounds": args.rounds, "steps": args.steps, "tokens": args.tokens, "vocab": VOCAB},
+        "results": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (args.out / f"{args.name}.md").write_text(_markdown(record))
+    print(_markdown(record))
+
+
+CASE_TITLES = {
+    "loss": "loss + backward, {tokens} tokens x hidden 512 x vocab 151,936 (fp32)",
+    "model": "Qwen3-shaped model (hidden 256, 2 layers, vocab 151,936), 4 x {seq} tokens, forward + backward (fp32)",
+}
+
+
+def _markdown(record: dict) -> str:
+    s = record["settings"]
+    lines = [
+        "# Fused-linear cross-entropy on CPU",
+        "",
+        f"- date: {record['date']}",
+        f"- machine: {record['machine']['cpu']}, {record['machine']['cores']} cores "
+        f"({record['machine']['threads_used']} torch threads)",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()),
+        f"- command: `{record['command']}`",
+        f"- method: each run in its own process, reference and fasttrain alternating, {s['rounds']} rounds x "
+        f"{s['steps']} timed steps (after a warm-up); medians. Peak = child's peak RSS minus its RSS after imports.",
+        "",
+        "| case | reference peak | fasttrain peak | memory ratio | reference time | fasttrain time | speed-up |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for case, r in record["results"].items():
+        title = CASE_TITLES.get(case, case).format(tokens=s["tokens"], seq=s["tokens"] // 4)
+        lines.append(
+            f"| {title} | {r['reference']['peak_mib']:,.0f} MiB | {r['fasttrain']['peak_mib']:,.0f} MiB | "
+            f"{r['memory_ratio']:.1f}x | {r['reference']['time_s']:.2f} s | {r['fasttrain']['time_s']:.2f} s | "
+            f"{r['speedup']:.2f}x |"
+        )
+    lines += [
+        "",
+        "Losses (first run): "
+        + "; ".join(
+            f"{c}: reference {r['reference']['loss']:.6f}, fasttrain {r['fasttrain']['loss']:.6f}"
+            for c, r in record["results"].items()
+        ),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""GPU benchmark: fused-linear cross-entropy forward + backward, bf16, side by side.
+
+Implementations (each skipped with a recorded reason when it is not installed or fails):
+
+- ``torch``: ``logits = hidden @ weight.T`` then ``ForCausalLMLoss``'s path (``.float()`` + cross-entropy);
+- ``torch_compile``: the same function under ``torch.compile``;
+- ``liger``: ``liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss`` (liger-kernel wheel);
+- ``cce``: ``cut_cross_entropy.linear_cross_entropy`` (cut-cross-entropy, if it installs);
+- ``fasttrain``: ``fasttrain.fused_linear_cross_entropy`` (Triton kernel).
+
+For each shape (tokens x hidden x vocab): one untimed step per implementation for its peak memory
+(``torch.cuda.max_memory_allocated`` above what the inputs already hold) and its loss, then ``--reps``
+rounds in which every implementation runs one timed step in turn (CUDA events; medians). Sized to
+finish in under 4 minutes on one H200; a time budget skips what is left if it would not.
+
+    python benchmarks/gpu/bench_loss_gpu.py --out benchmarks/results/
+    TRITON_INTERPRET=1 python benchmarks/gpu/bench_loss_gpu.py --smoke --out /tmp/x   # CPU, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if "--smoke" in sys.argv and os.environ.get("TRITON_INTERPRET") is None:
+    try:  # the kernel runs on CPU through the interpreter; must be set before triton is imported
+        import torch as _torch
+
+        if not _torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    except ImportError:  # pragma: no cover
+        pass
+
+import torch
+
+IMPLS = ("torch", "torch_compile", "liger", "cce", "fasttrain")
+
+
+def _reference(hidden, weight, labels):
+    from transformers.loss.loss_utils import fixed_cross_entropy
+
+    logits = hidden @ weight.t()
+    return fixed_cross_entropy(logits.float(), labels)
+
+
+def build(impl: str, backend: str):
+    """A callable (hidden, weight, labels) -> loss, or raises ImportError."""
+    if impl == "torch":
+        return _reference
+    if impl == "torch_compile":
+        return torch.compile(_reference, dynamic=True)
+    if impl == "liger":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        module = LigerFusedLinearCrossEntropyLoss()
+        return lambda h, w, y: module(w, h, y)
+    if impl == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+
+        return lambda h, w, y: linear_cross_entropy(h, w, y)
+    if impl == "fasttrain":
+        from fasttrain import fused_linear_cross_entropy
+
+        return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend=backend)
+    raise ValueError(impl)
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def run_shape(tokens, hidden_size, vocab, impls, fns, device, reps, deadline):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, generator=g).to(device, torch.bfloat16).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=g) * hidden_size**-0.5).to(device, torch.bfloat16)
+    weight.requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g).to(device)
+    labels[::7] = -100
+    timer = Timer(device)
+    out = {}
+
+    def step(fn):
+        hidden.grad = weight.grad = None
+        loss = fn(hidden, weight, labels)
+        loss.backward()
+        return loss
+
+    for impl in impls:
+        if isinstance(fns[impl], str):
+            out[impl] = {"skipped": fns[impl]}
+            continue
+        if time.monotonic() > deadline:
+            out[impl] = {"skipped": "time budget"}
+            continue
+        try:
+            step(fns[impl])  # warm-up (compilation, autotuning)
+            hidden.grad = weight.grad = None
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            loss = step(fns[impl])
+            peak = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else None
+            out[impl] = {
+                "loss": float(loss.detach()),
+                "peak_gib": None if peak is None else peak / 2**30,
+                "times": [],
+            }
+        except Exception as exc:  # OOM or a library that does not run here: record and go on
+            out[impl] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            hidden.grad = weight.grad = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    live = [i for i in impls if "times" in out.get(i, {})]
+    for _ in range(reps):  # alternate implementations within each round
+        if time.monotonic() > deadline:
+            break
+        for impl in live:
+            out[impl]["times"].append(timer(lambda impl=impl: step(fns[impl])))
+    for impl in live:
+        times = out[impl].pop("times")
+        out[impl]["time_ms"] = statistics.median(times) * 1e3 if times else None
+        out[impl]["reps"] = len(times)
+    hidden.grad = weight.grad = None  # the inputs go with this frame
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for pkg in ("triton", "transformers", "liger-kernel", "cut-cross-entropy", "fasttrain"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU (Triton interpreter)")
+    parser.add_argument("--tokens", default="8192,16384,32768")
+    parser.add_argument("--vocabs", default="128256,151936")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting new work after this")
+    parser.add_argument("--name", default="loss_gpu")
+    args = parser.parse_args()
+    if args.smoke:
+        args.tokens, args.vocabs, args.hidden, args.reps = "64", "1000,70001", 32, 2
+        args.budget_s = float("inf")  # a CPU check of the code path, not a timing
+        args.name = args.name + "_smoke"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        sys.exit("no CUDA device: run with --smoke for a CPU check")
+    backend = "triton" if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    fns = {}
+    for impl in impls:
+        try:
+            fns[impl] = build(impl, backend)
+        except ImportError as exc:
+            fns[impl] = f"not installed: {exc}"
+
+    deadline = time.monotonic() + args.budget_s  # after imports and compilation setup
+    shapes = [(int(t), int(v)) for v in args.vocabs.split(",") for t in args.tokens.split(",")]
+    results = []
+    for tokens, vocab in shapes:
+        print(
+            f"[bench_loss_gpu] tokens={tokens} hidden={args.hidden} vocab={vocab}",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            res = run_shape(tokens, args.hidden, vocab, impls, fns, device, args.reps, deadline)
+        except Exception:
+            res = {"error": traceback.format_exc()[-500:]}
+        results.append({"tokens": tokens, "hidden": args.hidden, "vocab": vocab, "impls": res})
+        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+
+    record = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({platform.processor()})",
+        "versions": versions(),
+        "settings": {
+            "reps": args.reps,
+            "dtype": "bfloat16",
+            "fasttrain_backend": backend,
+            "smoke": args.smoke,
+        },
+        "results": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (args.out / f"{args.name}.md").write_text(markdown(record, impls))
+    print(markdown(record, impls))
+
+
+def markdown(record: dict, impls: list[str]) -> str:
+    lines = [
+        "# Fused-linear cross-entropy on GPU (bf16, forward + backward)",
+        "",
+        f"- date: {record['date']}",
+        f"- device: {record['device']}",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()),
+        f"- command: `{record['command']}`",
+        "- method: per shape, one untimed step per implementation for peak memory (max_memory_allocated above "
+        f"the inputs), then {record['settings']['reps']} alternating rounds of timed steps; medians.",
+        "",
+        "| tokens | vocab | " + " | ".join(impls) + " |",
+        "| ---: | ---: | " + " | ".join("---:" for _ in impls) + " |",
+    ]
+    for r in record["results"]:
+        cells = []
+        for impl in impls:
+            x = r["impls"].get(impl, {}) if isinstance(r["impls"], dict) else {}
+            if "time_ms" in x:
+                mem = "" if x["peak_gib"] is None else f", {x['peak_gib']:.2f} GiB"
+                t = "n/a" if x["time_ms"] is None else f"{x['time_ms']:.1f} ms"
+                cells.append(t + mem)
+            else:
+                cells.append(x.get("skipped") or (x.get("error", "error")[:40]))
+        lines.append(f"| {r['tokens']} | {r['vocab']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
