@@ -35,32 +35,64 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
         "transformers.Trainer and once with fasttrain.Trainer, each in its own process, alternating "
         "repetitions; then print a side-by-side table.",
     )
-    p.add_argument("--model", help="built-in shape (tiny, qwen3-cpu, qwen3-0.6b, qwen3-1.7b; random init), "
-                   "a local directory or a hub id (default: qwen3-cpu on cpu, qwen3-0.6b on cuda)")
-    p.add_argument("--dataset", default="default", help="'default' (the Python standard library's sources), "
-                   "a local .json/.jsonl/.parquet/.txt file with a 'text' column or lines, or a hub dataset id")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="default: cuda when available, else cpu")
+    p.add_argument(
+        "--model",
+        help="built-in shape (tiny, qwen3-cpu, qwen3-0.6b, qwen3-1.7b; random init), "
+        "a local directory or a hub id (default: qwen3-cpu on cpu, qwen3-0.6b on cuda)",
+    )
+    p.add_argument(
+        "--dataset",
+        default="default",
+        help="'default' (the Python standard library's sources), "
+        "a local .json/.jsonl/.parquet/.txt file with a 'text' column or lines, or a hub dataset id",
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="default: cuda when available, else cpu",
+    )
     p.add_argument("--steps", type=int, help="optimizer steps per run (default: 12)")
-    p.add_argument("--seq-len", type=int, help="maximum tokens per example (default: 256 on cpu, 4096 on cuda)")
+    p.add_argument(
+        "--seq-len", type=int, help="maximum tokens per example (default: 256 on cpu, 4096 on cuda)"
+    )
     p.add_argument("--batch-size", type=int, help="per-device batch size (default: 4 on cpu, 2 on cuda)")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: 1)")
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
-                   help="bf16 weights and bf16=True (default: on for cuda, off for cpu)")
+    p.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 weights and bf16=True (default: on for cuda, off for cpu)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="repetitions per contender (default: 2)")
-    p.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the timing (default: 2)")
+    p.add_argument(
+        "--warmup-steps", type=int, default=2, help="first steps left out of the timing (default: 2)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
     p.add_argument("--threads", type=int, help="torch threads in every run (default: all usable cores)")
-    p.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
-                   help="train_sampling_strategy='group_by_length' (default: on)")
-    p.add_argument("--liger", action=argparse.BooleanOptionalAction, default=None,
-                   help="add transformers.Trainer with use_liger_kernel=True as a third contender "
-                   "(default: on for cuda when liger_kernel is installed)")
-    p.add_argument("--ablate", action="store_true",
-                   help="also run fasttrain with each hot path switched off in turn, and with all off")
+    p.add_argument(
+        "--group-by-length",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="train_sampling_strategy='group_by_length' (default: on)",
+    )
+    p.add_argument(
+        "--liger",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add transformers.Trainer with use_liger_kernel=True as a third contender "
+        "(default: on for cuda when liger_kernel is installed)",
+    )
+    p.add_argument(
+        "--ablate",
+        action="store_true",
+        help="also run fasttrain with each hot path switched off in turn, and with all off",
+    )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--markdown", metavar="PATH", help="write the table as Markdown, with date, machine, versions")
+    p.add_argument(
+        "--markdown", metavar="PATH", help="write the table as Markdown, with date, machine, versions"
+    )
     p.add_argument("--plot", metavar="PATH", help="write a PNG: loss curves, throughput and memory bars")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -100,11 +132,19 @@ def resolve(args: argparse.Namespace):
     defaults = DEVICE_DEFAULTS[device]
     pick = lambda value, key: defaults[key] if value is None else value  # noqa: E731
 
-    steps, seq_len, batch = pick(args.steps, "steps"), pick(args.seq_len, "seq_len"), pick(args.batch_size, "batch_size")
+    steps, seq_len, batch = (
+        pick(args.steps, "steps"),
+        pick(args.seq_len, "seq_len"),
+        pick(args.batch_size, "batch_size"),
+    )
     threads = args.threads if args.threads is not None else len(os.sched_getaffinity(0))
     for option, value, minimum in (
-        ("--steps", steps, 1), ("--seq-len", seq_len, data.MIN_TOKENS), ("--batch-size", batch, 1),
-        ("--grad-accum", args.grad_accum, 1), ("--repeats", args.repeats, 1), ("--warmup-steps", args.warmup_steps, 0),
+        ("--steps", steps, 1),
+        ("--seq-len", seq_len, data.MIN_TOKENS),
+        ("--batch-size", batch, 1),
+        ("--grad-accum", args.grad_accum, 1),
+        ("--repeats", args.repeats, 1),
+        ("--warmup-steps", args.warmup_steps, 0),
         ("--threads", threads, 1),
     ):
         if value < minimum:
@@ -143,16 +183,35 @@ def resolve(args: argparse.Namespace):
             raise UsageError(str(exc)) from None
 
     config = BenchConfig(
-        model=model, dataset=args.dataset, device=device, steps=steps, seq_len=seq_len, batch_size=batch,
-        grad_accum=args.grad_accum, bf16=bf16, seed=args.seed, threads=threads, learning_rate=args.lr,
-        warmup_steps=args.warmup_steps, group_by_length=args.group_by_length,
+        model=model,
+        dataset=args.dataset,
+        device=device,
+        steps=steps,
+        seq_len=seq_len,
+        batch_size=batch,
+        grad_accum=args.grad_accum,
+        bf16=bf16,
+        seed=args.seed,
+        threads=threads,
+        learning_rate=args.lr,
+        warmup_steps=args.warmup_steps,
+        group_by_length=args.group_by_length,
     )
     contenders = [Contender(REFERENCE, REFERENCE), Contender(FASTTRAIN, FASTTRAIN)]
     if liger:
         contenders.insert(1, Contender(LIGER, LIGER))
     if args.ablate:
-        contenders += [Contender(f"fasttrain-no-{name}", FASTTRAIN, name) for name in (*HotPaths.names(), "all")]
+        contenders += [
+            Contender(f"fasttrain-no-{name}", FASTTRAIN, name) for name in (*HotPaths.names(), "all")
+        ]
     return config, contenders, args.repeats
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
 
 
 def bench(args: argparse.Namespace, argv: list[str]) -> int:
@@ -160,11 +219,14 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
 
     config, contenders, repeats = resolve(args)
     started = time.perf_counter()
+    load_start = _load_average()
     results = runner.run_all(config, contenders, repeats, progress=not args.no_progress)
     data = summary.build(results)
     data["config"] = config.to_json()
     data["command"] = shlex.join(["fasttrain", *argv])
     data["wall_s"] = time.perf_counter() - started
+    if load_start is not None:
+        data["load_average"] = {"start": load_start, "end": _load_average()}
     data["environment"] = report.environment(data)
     print(report.text_table(config, data))
     if args.json:

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
-# Contender name -> (Trainer kind, FASTTRAIN_DISABLE value or None). Ablations add "fasttrain-no-<path>".
+# The three Trainer kinds a contender can run; ablations are "fasttrain" runs named "fasttrain-no-<path>".
 REFERENCE = "reference"
 FASTTRAIN = "fasttrain"
 LIGER = "liger"

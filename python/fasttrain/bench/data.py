@@ -54,7 +54,9 @@ def _load_rows(spec: str):
             builder = _LOCAL_FORMATS[path.suffix.lower()]
             return datasets.load_dataset(builder, data_files=str(path), split="train")
         return datasets.load_dataset(spec, split="train")
-    except Exception as exc:  # datasets raises many types (DatasetNotFoundError, ArrowInvalid, ConnectionError ...)
+    except (
+        Exception
+    ) as exc:  # datasets raises many types (DatasetNotFoundError, ArrowInvalid, ConnectionError ...)
         raise DatasetError(f"--dataset {spec!r} could not be loaded: {type(exc).__name__}: {exc}") from None
 
 

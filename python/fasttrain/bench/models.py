@@ -75,7 +75,9 @@ def check_model_spec(spec: str) -> None:
     if looks_like_local_path(spec):
         path = pathlib.Path(spec).expanduser()
         if not path.is_dir():
-            raise ModelError(f"--model {spec!r}: no such directory (built-in shapes: {', '.join(BUILTIN_SHAPES)})")
+            raise ModelError(
+                f"--model {spec!r}: no such directory (built-in shapes: {', '.join(BUILTIN_SHAPES)})"
+            )
         if not (path / "config.json").is_file():
             raise ModelError(f"--model {spec!r}: the directory has no config.json")
         return
@@ -85,7 +87,9 @@ def check_model_spec(spec: str) -> None:
             "a local directory, nor a hub id of the form owner/name"
         )
     if hub_offline():
-        raise ModelError(f"--model {spec!r} is a hub id but HF_HUB_OFFLINE is set; use a built-in or a local path")
+        raise ModelError(
+            f"--model {spec!r} is a hub id but HF_HUB_OFFLINE is set; use a built-in or a local path"
+        )
 
 
 def build_model(spec: str, seq_len: int, seed: int, device: str, dtype):

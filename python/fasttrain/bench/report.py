@@ -12,7 +12,16 @@ from typing import Any
 
 from .config import BenchConfig
 
-_PACKAGES = ("fasttrain", "torch", "transformers", "accelerate", "tokenizers", "datasets", "triton", "liger-kernel")
+_PACKAGES = (
+    "fasttrain",
+    "torch",
+    "transformers",
+    "accelerate",
+    "tokenizers",
+    "datasets",
+    "triton",
+    "liger-kernel",
+)
 
 
 class PlotUnavailable(RuntimeError):
@@ -101,6 +110,7 @@ def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     table = [
         line("tokens/s", "tokens_per_s", 1, "tokens_per_s_ratio"),
         line("step time (s)", "step_time_s", 3, "step_time_ratio"),
+        line("tokens per CPU-second", "tokens_per_cpu_s", 1, "tokens_per_cpu_s_ratio"),
         line("peak memory (MB)", "peak_memory_mb", 0, "peak_memory_ratio"),
         line("  of which above setup (MB)", "peak_above_setup_mb", 0, "peak_above_setup_ratio"),
         line("final loss", "final_loss", 4),
@@ -147,13 +157,31 @@ def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
         "non-padding tokens",
         f"memory: {reference['memory_kind']}; 'above setup' subtracts the value right after the model and data were built",
         "ratios in parentheses are against the reference (transformers.Trainer, optim=adamw_torch_fused)",
+        *_load_note(data),
     ]
+
+
+def _load_note(data: dict[str, Any]) -> list[str]:
+    """Other work on the machine slows both sides but makes wall-time ratios noisy: say how loaded it was."""
+    load = data.get("load_average")
+    cores = data.get("environment", {}).get("cores")
+    if not load or not cores:
+        return []
+    note = f"machine load average (1 min) at start / end: {load['start']:.1f} / {load['end']:.1f} on {cores} cores"
+    if max(load["start"], load["end"]) > cores:
+        note += (
+            " -- other processes competed for the CPU, so wall-time figures are noisy; "
+            "tokens per CPU-second is much less affected"
+        )
+    return [note]
 
 
 def text_table(config: BenchConfig, data: dict[str, Any]) -> str:
     header, table = rows(data)
     widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in [header, *table]]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in [header, *table]
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join([*lines, "", *describe(config, data)])
 
@@ -203,7 +231,9 @@ def check_plot_available() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise PlotUnavailable("--plot needs matplotlib: pip install 'fasttrain[plot]' (or matplotlib)") from None
+        raise PlotUnavailable(
+            "--plot needs matplotlib: pip install 'fasttrain[plot]' (or matplotlib)"
+        ) from None
 
 
 def plot(path: str, config: BenchConfig, data: dict[str, Any]) -> None:
@@ -216,7 +246,9 @@ def plot(path: str, config: BenchConfig, data: dict[str, Any]) -> None:
 
     columns = _columns(data)
     names = [name for name, _ in columns]
-    fig, (ax_loss, ax_tps, ax_mem) = plt.subplots(1, 3, figsize=(15, 4.5), gridspec_kw={"width_ratios": [2, 1, 1]})
+    fig, (ax_loss, ax_tps, ax_mem) = plt.subplots(
+        1, 3, figsize=(15, 4.5), gridspec_kw={"width_ratios": [2, 1, 1]}
+    )
     for name, summary in columns:
         steps = [i + 1 for i, loss in enumerate(summary["losses"]) if loss is not None]
         losses = [loss for loss in summary["losses"] if loss is not None]
@@ -233,7 +265,9 @@ def plot(path: str, config: BenchConfig, data: dict[str, Any]) -> None:
     ax_mem.set_title(f"peak memory (MB, lower is better)\n{columns[0][1]['memory_kind']}", fontsize=10)
     for axis in (ax_tps, ax_mem):
         axis.tick_params(axis="x", rotation=30 if len(names) > 3 else 0)
-    fig.suptitle(f"fasttrain bench: {config.model} on {config.device}, seq {config.seq_len}, batch {config.batch_size}")
+    fig.suptitle(
+        f"fasttrain bench: {config.model} on {config.device}, seq {config.seq_len}, batch {config.batch_size}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -104,7 +104,9 @@ def run_one(
     if code == 2 and "error" in result:
         raise BenchError(result["error"])
     if code != 0 or not result:
-        raise RunFailed(f"the {contender.name} run exited with code {code}; last lines of its log:\n{_tail(log_path)}")
+        raise RunFailed(
+            f"the {contender.name} run exited with code {code}; last lines of its log:\n{_tail(log_path)}"
+        )
     result["wall_s"] = None  # filled by the caller, which times the whole child
     return result
 
@@ -118,7 +120,11 @@ def run_all(
     order = schedule(contenders, repeats)
     results: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
     bar = tqdm(
-        total=len(order) * config.steps, unit="step", disable=not progress, file=sys.stderr, dynamic_ncols=True
+        total=len(order) * config.steps,
+        unit="step",
+        disable=not progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
     )
     try:
         with tempfile.TemporaryDirectory(prefix="fasttrain-bench-") as workdir:

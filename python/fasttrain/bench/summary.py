@@ -36,6 +36,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "repetitions": len(runs),
         "tokens_per_s": _median([r["tokens_per_s"] for r in runs]),
         "step_time_s": _median([r["step_time_s"] for r in runs]),
+        "tokens_per_cpu_s": _median([r.get("tokens_per_cpu_s", float("nan")) for r in runs]),
         "peak_memory_mb": _median([r["peak_memory_mb"] for r in runs]),
         "memory_after_setup_mb": _median([r["memory_after_setup_mb"] for r in runs]),
         "peak_above_setup_mb": _median([r["peak_above_setup_mb"] for r in runs]),
@@ -65,6 +66,7 @@ def compare(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     return {
         "tokens_per_s_ratio": ratio("tokens_per_s"),
         "step_time_ratio": ratio("step_time_s"),
+        "tokens_per_cpu_s_ratio": ratio("tokens_per_cpu_s"),
         "peak_memory_ratio": ratio("peak_memory_mb"),
         "peak_above_setup_ratio": ratio("peak_above_setup_mb"),
         "loss_difference": loss_difference(reference["losses"], other["losses"]),

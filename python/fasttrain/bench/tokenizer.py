@@ -35,7 +35,12 @@ def cache_root() -> pathlib.Path:
 def _cache_key(files: list[pathlib.Path], vocab_size: int) -> str:
     """Hash of the settings and of each training file's path, size and mtime (cheap: no file is read)."""
     digest = hashlib.sha256()
-    settings = {"vocab_size": vocab_size, "tokenizers": tokenizers.__version__, "eos": EOS_TOKEN, "pad": PAD_TOKEN}
+    settings = {
+        "vocab_size": vocab_size,
+        "tokenizers": tokenizers.__version__,
+        "eos": EOS_TOKEN,
+        "pad": PAD_TOKEN,
+    }
     digest.update(json.dumps(settings, sort_keys=True).encode())
     for path in files:
         stat = path.stat()

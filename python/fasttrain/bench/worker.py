@@ -92,6 +92,9 @@ def _recorder(config: BenchConfig, progress_path: str | None, is_cuda: bool):
         def __init__(self) -> None:
             self.start = 0.0
             self.step_end: list[float] = []
+            # CPU seconds of this process (all threads): unlike wall time, barely moved by other load on the machine
+            self.start_cpu = 0.0
+            self.step_end_cpu: list[float] = []
             self.tokens_seen: list[int] = []
             self.losses: dict[int, float] = {}
             self.grad_norms: dict[int, float] = {}
@@ -104,9 +107,11 @@ def _recorder(config: BenchConfig, progress_path: str | None, is_cuda: bool):
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.start = self._now()
+            self.start_cpu = time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.step_end.append(self._now())
+            self.step_end_cpu.append(time.process_time())
             self.tokens_seen.append(int(state.num_input_tokens_seen))
             if self.progress:
                 self.progress.write(f"{state.global_step}\n")
@@ -136,7 +141,9 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
     tok = _tokenizer_for(config)
     examples = data.build_examples(config.dataset, tok, config.seq_len, config.examples_needed)
     if not examples:
-        raise data.DatasetError(f"--dataset {config.dataset!r} yields no example of at least {data.MIN_TOKENS} tokens")
+        raise data.DatasetError(
+            f"--dataset {config.dataset!r} yields no example of at least {data.MIN_TOKENS} tokens"
+        )
     train_dataset = data.as_dataset(examples)
     dtype = torch.bfloat16 if config.bf16 else torch.float32
     model = models.build_model(config.model, config.seq_len, config.seed, config.device, dtype)
@@ -176,6 +183,8 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
     times = [recorder.start, *recorder.step_end]
     seen = [0, *recorder.tokens_seen]
     timed_s = times[-1] - times[warmup]
+    cpu_times = [recorder.start_cpu, *recorder.step_end_cpu]
+    timed_cpu_s = cpu_times[-1] - cpu_times[warmup]
     timed_tokens = seen[-1] - seen[warmup]
     losses = [recorder.losses.get(step) for step in range(1, steps_done + 1)]
     result: dict[str, Any] = {
@@ -187,6 +196,7 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         "warmup_steps_excluded": warmup,
         "tokens_per_s": timed_tokens / timed_s if timed_s > 0 else float("nan"),
         "step_time_s": timed_s / (steps_done - warmup) if steps_done > warmup else float("nan"),
+        "tokens_per_cpu_s": timed_tokens / timed_cpu_s if timed_cpu_s > 0 else float("nan"),
         "step_times_s": [b - a for a, b in itertools.pairwise(times)],
         "tokens_per_step": [b - a for a, b in itertools.pairwise(seen)],
         "timed_tokens": timed_tokens,
