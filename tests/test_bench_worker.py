@@ -146,3 +146,15 @@ def test_python_m_fasttrain_bench_end_to_end(tmp_path):
     assert data["command"].startswith("fasttrain bench --device cpu --model tiny")
     assert "| tokens/s |" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_local_checkpoint_directory(tmp_path):
+    """--model PATH loads with local_files_only; a bare checkpoint falls back to the built-in tokenizer."""
+    from fasttrain.bench import models
+
+    checkpoint = tmp_path / "ckpt"
+    models.build_model("tiny", 32, 0, "cpu", torch.float32).save_pretrained(checkpoint)
+    r = worker.run(
+        _config(model=str(checkpoint), steps=1, warmup_steps=0), Contender("reference", "reference")
+    )
+    assert r["steps"] == 1 and r["losses"][0] == pytest.approx(11.93, abs=0.3)

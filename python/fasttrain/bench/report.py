@@ -243,27 +243,35 @@ def plot(path: str, config: BenchConfig, data: dict[str, Any]) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     columns = _columns(data)
     names = [name for name, _ in columns]
     fig, (ax_loss, ax_tps, ax_mem) = plt.subplots(
         1, 3, figsize=(15, 4.5), gridspec_kw={"width_ratios": [2, 1, 1]}
     )
-    for name, summary in columns:
+    colors = ["0.6" if name == "reference" else f"C{i}" for i, name in enumerate(names)]
+    for (name, summary), color in zip(columns, colors, strict=True):
         steps = [i + 1 for i, loss in enumerate(summary["losses"]) if loss is not None]
         losses = [loss for loss in summary["losses"] if loss is not None]
-        style = "--" if name == "reference" else "-"
-        ax_loss.plot(steps, losses, style, marker=".", label=name)
+        if name == "reference":  # wide and pale underneath, so that matching curves stay visible
+            ax_loss.plot(steps, losses, color="0.6", linewidth=4, alpha=0.6, label=name, zorder=1)
+        else:
+            ax_loss.plot(steps, losses, color=color, marker=".", label=name, zorder=2)
+    ax_loss.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_loss.set_xlabel("optimizer step")
     ax_loss.set_ylabel("training loss")
     ax_loss.set_title("loss per step")
     ax_loss.legend()
-    colors = [f"C{i}" for i in range(len(names))]
-    ax_tps.bar(names, [s["tokens_per_s"] for _, s in columns], color=colors)
-    ax_tps.set_title("throughput (tokens/s, higher is better)")
-    ax_mem.bar(names, [s["peak_memory_mb"] for _, s in columns], color=colors)
-    ax_mem.set_title(f"peak memory (MB, lower is better)\n{columns[0][1]['memory_kind']}", fontsize=10)
-    for axis in (ax_tps, ax_mem):
+    for axis, key, title in (
+        (ax_tps, "tokens_per_s", "throughput (tokens/s, higher is better)"),
+        (ax_mem, "peak_memory_mb", f"peak memory (MB, lower is better)\n{columns[0][1]['memory_kind']}"),
+    ):
+        values = [summary[key] for _, summary in columns]
+        bars = axis.bar(names, values, color=colors)
+        base = values[0]
+        axis.bar_label(bars, labels=[f"{v / base:.2f}x" if base else "" for v in values], fontsize=9)
+        axis.set_title(title, fontsize=10)
         axis.tick_params(axis="x", rotation=30 if len(names) > 3 else 0)
     fig.suptitle(
         f"fasttrain bench: {config.model} on {config.device}, seq {config.seq_len}, batch {config.batch_size}"

@@ -37,14 +37,19 @@ def _peak_rss_mb() -> float:
 
 
 def _tokenizer_for(config: BenchConfig):
+    """The model's own tokenizer when it has one (local directory or hub id), else the built-in stdlib BPE."""
     from . import models, tokenizer
 
-    if config.model not in models.BUILTIN_SHAPES and models.looks_like_local_path(config.model):
-        path = os.path.expanduser(config.model)
-        if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-            from transformers import AutoTokenizer
+    if config.model not in models.BUILTIN_SHAPES:
+        from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        local = models.looks_like_local_path(config.model)
+        source = os.path.expanduser(config.model) if local else config.model
+        try:
+            tok = AutoTokenizer.from_pretrained(source, local_files_only=local or models.hub_offline())
+        except (OSError, ValueError):
+            tok = None  # a bare checkpoint (weights and config only): the built-in tokenizer serves
+        if tok is not None:
             if tok.pad_token is None:
                 tok.pad_token = tok.eos_token
             return tok
