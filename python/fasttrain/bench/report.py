@@ -152,11 +152,13 @@ def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
         f"sequences up to {config.seq_len} tokens (padded per batch"
         f"{', grouped by length' if config.group_by_length else ''}), seed {config.seed}"
         + (f", {config.threads} CPU threads" if config.device == "cpu" else ""),
-        f"{reference['repetitions']} repetitions per contender, alternating, each in its own process; medians shown; "
-        f"tokens/s and step time exclude the first {reference['warmup_steps_excluded']} (warm-up) steps and count "
-        "non-padding tokens",
-        f"memory: {reference['memory_kind']}; 'above setup' subtracts the value right after the model and data were built",
-        "ratios in parentheses are against the reference (transformers.Trainer, optim=adamw_torch_fused)",
+        f"{reference['repetitions']} repetition(s) per contender, alternating, each in its own process; "
+        "medians shown; tokens/s, step time and tokens per CPU-second count non-padding tokens and exclude "
+        f"the first {reference['warmup_steps_excluded']} (warm-up) steps",
+        f"memory: {reference['memory_kind']}; "
+        "'above setup' subtracts the value right after the model and data were built",
+        "ratios in parentheses are against the reference (transformers.Trainer, optim=adamw_torch_fused); "
+        "the loss difference is the largest over all steps, relative to the reference's loss at that step",
         *_load_note(data),
     ]
 

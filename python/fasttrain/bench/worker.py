@@ -45,10 +45,17 @@ def _tokenizer_for(config: BenchConfig):
 
         local = models.looks_like_local_path(config.model)
         source = os.path.expanduser(config.model) if local else config.model
-        try:
-            tok = AutoTokenizer.from_pretrained(source, local_files_only=local or models.hub_offline())
-        except (OSError, ValueError):
-            tok = None  # a bare checkpoint (weights and config only): the built-in tokenizer serves
+        # A bare local checkpoint (weights and config only) gets the built-in tokenizer: AutoTokenizer would
+        # build an empty one from the config's model type instead of failing.
+        has_files = not local or any(
+            os.path.exists(os.path.join(source, name)) for name in ("tokenizer.json", "tokenizer_config.json")
+        )
+        tok = None
+        if has_files:
+            try:
+                tok = AutoTokenizer.from_pretrained(source, local_files_only=local or models.hub_offline())
+            except (OSError, ValueError):
+                tok = None  # a hub model without a tokenizer: the built-in one serves
         if tok is not None:
             if tok.pad_token is None:
                 tok.pad_token = tok.eos_token
