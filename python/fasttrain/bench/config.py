@@ -1,0 +1,58 @@
+"""The settings of one bench, shared by the parent and every child it starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+# The three Trainer kinds a contender can run; ablations are "fasttrain" runs named "fasttrain-no-<path>".
+REFERENCE = "reference"
+FASTTRAIN = "fasttrain"
+LIGER = "liger"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    model: str
+    dataset: str
+    device: str
+    steps: int
+    seq_len: int
+    batch_size: int
+    grad_accum: int
+    bf16: bool
+    seed: int
+    threads: int
+    learning_rate: float
+    warmup_steps: int
+    group_by_length: bool
+
+    @property
+    def examples_needed(self) -> int:
+        return self.steps * self.batch_size * self.grad_accum
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> BenchConfig:
+        return cls(**data)
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    """One side of the comparison: which Trainer, and which hot paths are switched off (ablations)."""
+
+    name: str
+    trainer: str  # "reference" | "fasttrain" | "liger"
+    disable: str | None = None  # FASTTRAIN_DISABLE for the child
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def dump(path, payload: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(payload, handle, indent=2, sort_keys=False)
+        handle.write("\n")

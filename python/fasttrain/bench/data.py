@@ -1,0 +1,134 @@
+"""Training examples for the bench: the same token ids, in the same order, for every contender.
+
+Each example is one document tokenized and truncated to ``seq_len`` from its start, as in ordinary
+fine-tuning with ``max_length`` truncation. For the built-in corpus a document is a run of consecutive
+top-level blocks (module header, functions, classes) of one stdlib file, joined while they fit in
+``seq_len`` (a longer block is truncated alone), so lengths vary from a few dozen tokens to ``seq_len``;
+for a local or hub dataset it is one row's ``text``. Documents shorter than ``seq_len`` stay shorter, so batches are padded
+by the collator: real variable-length fine-tuning data.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Iterable
+
+from . import corpus
+
+DEFAULT = "default"
+MIN_TOKENS = 16  # shorter documents (empty lines, stubs) carry no signal and are skipped
+_LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+
+
+class DatasetError(ValueError):
+    """A ``--dataset`` that cannot be read; the message is shown to the user as is."""
+
+
+def check_dataset_spec(spec: str) -> None:
+    """Fail early, in the parent process, on a ``--dataset`` that cannot work."""
+    if spec == DEFAULT:
+        return
+    path = pathlib.Path(spec).expanduser()
+    if path.suffix.lower() in _LOCAL_FORMATS or os.path.exists(path) or spec.startswith((".", "/", "~")):
+        if not path.is_file():
+            raise DatasetError(f"--dataset {spec!r}: no such file")
+        if path.suffix.lower() not in _LOCAL_FORMATS:
+            raise DatasetError(
+                f"--dataset {spec!r}: unsupported file type {path.suffix!r} (use .json, .jsonl, .parquet or .txt)"
+            )
+        return
+    from .models import hub_offline
+
+    if hub_offline():
+        raise DatasetError(f"--dataset {spec!r} is a hub dataset but HF_HUB_OFFLINE is set; use a local file")
+
+
+def _load_rows(spec: str):
+    """A ``datasets.Dataset`` for a local file or a hub dataset (train split)."""
+    import datasets
+
+    path = pathlib.Path(spec).expanduser()
+    try:
+        if path.is_file():
+            builder = _LOCAL_FORMATS[path.suffix.lower()]
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        return datasets.load_dataset(spec, split="train")
+    except (
+        Exception
+    ) as exc:  # datasets raises many types (DatasetNotFoundError, ArrowInvalid, ConnectionError ...)
+        raise DatasetError(f"--dataset {spec!r} could not be loaded: {type(exc).__name__}: {exc}") from None
+
+
+def _texts_from_rows(rows, spec: str) -> Iterable[str]:
+    if "text" not in rows.column_names:
+        raise DatasetError(
+            f"--dataset {spec!r} has no 'text' or 'input_ids' column (columns: {', '.join(rows.column_names)})"
+        )
+    return (text for text in rows["text"] if isinstance(text, str) and text.strip())
+
+
+def _chunk_blocks(block_ids: list[list[int]], seq_len: int) -> Iterable[list[int]]:
+    """Consecutive blocks of one file joined while they fit in ``seq_len``; a longer block is truncated alone."""
+    current: list[int] = []
+    for ids in block_ids:
+        if len(ids) >= seq_len:
+            if current:
+                yield current
+                current = []
+            yield ids[:seq_len]
+        elif len(current) + len(ids) > seq_len:
+            yield current
+            current = list(ids)
+        else:
+            current.extend(ids)
+    if current:
+        yield current
+
+
+def _default_examples(tokenizer, seq_len: int, num_examples: int) -> list[list[int]]:
+    examples: list[list[int]] = []
+    for document in corpus.iter_documents():
+        blocks = corpus.top_level_blocks(document)
+        block_ids = tokenizer(blocks, add_special_tokens=False)["input_ids"]
+        examples.extend(ids for ids in _chunk_blocks(block_ids, seq_len) if len(ids) >= MIN_TOKENS)
+        if len(examples) >= num_examples:
+            break
+    return examples[:num_examples]
+
+
+def _file_examples(spec: str, tokenizer, seq_len: int, num_examples: int) -> list[list[int]]:
+    rows = _load_rows(spec)
+    if "input_ids" in rows.column_names:  # already tokenized: used as is, truncated
+        ids = [list(row[:seq_len]) for row in rows["input_ids"] if len(row) >= MIN_TOKENS]
+        return ids[:num_examples]
+    examples: list[list[int]] = []
+    batch: list[str] = []
+
+    def flush() -> None:
+        encoded = tokenizer(batch, truncation=True, max_length=seq_len, add_special_tokens=False)["input_ids"]
+        examples.extend(ids for ids in encoded if len(ids) >= MIN_TOKENS)
+        batch.clear()
+
+    for text in _texts_from_rows(rows, spec):
+        batch.append(text)
+        if len(batch) == 256:
+            flush()
+            if len(examples) >= num_examples:
+                break
+    if batch:
+        flush()
+    return examples[:num_examples]
+
+
+def build_examples(spec: str, tokenizer, seq_len: int, num_examples: int) -> list[list[int]]:
+    """``num_examples`` token-id lists of ``MIN_TOKENS..seq_len`` tokens (fewer only if the data runs out)."""
+    if spec == DEFAULT:
+        return _default_examples(tokenizer, seq_len, num_examples)
+    return _file_examples(spec, tokenizer, seq_len, num_examples)
+
+
+def as_dataset(examples: list[list[int]]):
+    import datasets
+
+    return datasets.Dataset.from_dict({"input_ids": examples})

@@ -1,0 +1,283 @@
+"""What the bench shows and writes: the side-by-side table (terminal and Markdown), the JSON, the plot."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+from typing import Any
+
+from .config import BenchConfig
+
+_PACKAGES = (
+    "fasttrain",
+    "torch",
+    "transformers",
+    "accelerate",
+    "tokenizers",
+    "datasets",
+    "triton",
+    "liger-kernel",
+)
+
+
+class PlotUnavailable(RuntimeError):
+    """``--plot`` without matplotlib."""
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def environment(results: dict[str, Any]) -> dict[str, Any]:
+    versions: dict[str, str] = {"python": platform.python_version()}
+    for name in _PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    env = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+        "cpu": _cpu_model(),
+        "cores": cores,
+        "memory_gib": round(_memory_gib() or 0.0, 1) or None,
+        "platform": platform.platform(),
+        "versions": versions,
+    }
+    gpu = results.get("reference", {}).get("gpu_name")
+    if gpu:
+        env["gpu"] = gpu
+    return env
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _hot_paths(summary: dict[str, Any]) -> str:
+    status = summary.get("hot_paths") or {}
+    if not status:
+        return "none reported" if summary["trainer"] == "fasttrain" else "-"
+    on = [name for name, state in status.items() if state == "on"]
+    off = [f"{name} ({state})" for name, state in status.items() if state != "on"]
+    return ", ".join(on) + (("; off: " + ", ".join(off)) if off else "") if on else "off: " + ", ".join(off)
+
+
+def _columns(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    columns = [(name, data[name]) for name in ("reference", "liger", "fasttrain") if name in data]
+    columns += list(data.get("ablations", {}).items())
+    return columns
+
+
+def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the side-by-side table (one column per contender, ratios against the reference)."""
+    columns = _columns(data)
+    comparison = data["comparison"]
+    header = ["", *[name for name, _ in columns]]
+
+    def line(label: str, key: str, digits: int = 1, ratio_key: str | None = None) -> list[str]:
+        cells = [label]
+        for name, summary in columns:
+            cell = _fmt(summary[key], digits)
+            vs = comparison.get(f"{name}_vs_reference")
+            if ratio_key and vs is not None:
+                cell += f" ({vs[ratio_key]:.2f}x)"
+            cells.append(cell)
+        return cells
+
+    table = [
+        line("tokens/s", "tokens_per_s", 1, "tokens_per_s_ratio"),
+        line("step time (s)", "step_time_s", 3, "step_time_ratio"),
+        line("tokens per CPU-second", "tokens_per_cpu_s", 1, "tokens_per_cpu_s_ratio"),
+        line("peak memory (MB)", "peak_memory_mb", 0, "peak_memory_ratio"),
+        line("  of which above setup (MB)", "peak_above_setup_mb", 0, "peak_above_setup_ratio"),
+        line("final loss", "final_loss", 4),
+    ]
+    diff = ["largest per-step loss diff vs reference (abs / rel)"]
+    floor = ["largest loss diff between own repetitions"]
+    for name, summary in columns:
+        vs = comparison.get(f"{name}_vs_reference")
+        if vs is None:
+            diff.append("-")
+        else:
+            d = vs["loss_difference"]
+            diff.append(f"{_fmt(d['max_abs'], 2)} / {_fmt(d['max_rel'], 2)}".replace("n/a / n/a", "n/a"))
+        floor.append(_fmt(summary["loss_difference_between_repetitions"], 2))
+    # small loss differences are the point: show them in scientific notation
+    for cells in (diff, floor):
+        for i in range(1, len(cells)):
+            cells[i] = _sci(cells[i])
+    table += [diff, floor, ["hot paths", *[_hot_paths(s) for _, s in columns]]]
+    return header, table
+
+
+def _sci(cell: str) -> str:
+    parts = []
+    for part in cell.split(" / "):
+        try:
+            parts.append(f"{float(part.replace(',', '')):.2e}")
+        except ValueError:
+            parts.append(part)
+    return " / ".join(parts)
+
+
+def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
+    reference = data["reference"]
+    dtype = "bf16 weights + bf16=True" if config.bf16 else "fp32"
+    return [
+        f"model {config.model}, dataset {config.dataset}, device {config.device}, {dtype}, "
+        f"{config.steps} steps x batch {config.batch_size} x grad-accum {config.grad_accum}, "
+        f"sequences up to {config.seq_len} tokens (padded per batch"
+        f"{', grouped by length' if config.group_by_length else ''}), seed {config.seed}"
+        + (f", {config.threads} CPU threads" if config.device == "cpu" else ""),
+        f"{reference['repetitions']} repetition(s) per contender, alternating, each in its own process; "
+        "medians shown; tokens/s, step time and tokens per CPU-second count non-padding tokens and exclude "
+        f"the first {reference['warmup_steps_excluded']} (warm-up) steps",
+        f"memory: {reference['memory_kind']}; "
+        "'above setup' subtracts the value right after the model and data were built",
+        "ratios in parentheses are against the reference (transformers.Trainer, optim=adamw_torch_fused); "
+        "the loss difference is the largest over all steps, relative to the reference's loss at that step",
+        *_load_note(data),
+    ]
+
+
+def _load_note(data: dict[str, Any]) -> list[str]:
+    """Other work on the machine slows both sides but makes wall-time ratios noisy: say how loaded it was."""
+    load = data.get("load_average")
+    cores = data.get("environment", {}).get("cores")
+    if not load or not cores:
+        return []
+    note = f"machine load average (1 min) at start / end: {load['start']:.1f} / {load['end']:.1f} on {cores} cores"
+    if max(load["start"], load["end"]) > cores:
+        note += (
+            " -- other processes competed for the CPU, so wall-time figures are noisy; "
+            "tokens per CPU-second is much less affected"
+        )
+    return [note]
+
+
+def text_table(config: BenchConfig, data: dict[str, Any]) -> str:
+    header, table = rows(data)
+    widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in [header, *table]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join([*lines, "", *describe(config, data)])
+
+
+def markdown(config: BenchConfig, data: dict[str, Any], title: str = "fasttrain bench") -> str:
+    header, table = rows(data)
+    env = data["environment"]
+    versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items())
+    machine = f"{env['cpu']}, {env['cores']} cores, {env['memory_gib']} GiB"
+    if env.get("gpu"):
+        machine = f"{env['gpu']}; host: {machine}"
+    out = [
+        f"# {title}",
+        "",
+        f"- date (UTC): {env['date_utc']}",
+        f"- machine: {machine}",
+        f"- versions: {versions}",
+        f"- command: `{data['command']}`",
+        f"- total wall time: {data['wall_s']:.0f} s",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join([" --- "] + [" ---: "] * (len(header) - 1)) + "|",
+    ]
+    out += ["| " + " | ".join(cell.replace("|", "/") for cell in r) + " |" for r in table]
+    out += ["", *[f"- {line}" for line in describe(config, data)], ""]
+    return "\n".join(out)
+
+
+def _jsonable(value: Any) -> Any:
+    """NaN is not JSON: write null instead."""
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return None
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(_jsonable(data), handle, indent=2, allow_nan=False)
+        handle.write("\n")
+
+
+def check_plot_available() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlotUnavailable(
+            "--plot needs matplotlib: pip install 'fasttrain[plot]' (or matplotlib)"
+        ) from None
+
+
+def plot(path: str, config: BenchConfig, data: dict[str, Any]) -> None:
+    """Loss curves overlaid, and bars for throughput and peak memory, in one PNG."""
+    check_plot_available()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    columns = _columns(data)
+    names = [name for name, _ in columns]
+    fig, (ax_loss, ax_tps, ax_mem) = plt.subplots(
+        1, 3, figsize=(15, 4.5), gridspec_kw={"width_ratios": [2, 1, 1]}
+    )
+    colors = ["0.6" if name == "reference" else f"C{i}" for i, name in enumerate(names)]
+    for (name, summary), color in zip(columns, colors, strict=True):
+        steps = [i + 1 for i, loss in enumerate(summary["losses"]) if loss is not None]
+        losses = [loss for loss in summary["losses"] if loss is not None]
+        if name == "reference":  # wide and pale underneath, so that matching curves stay visible
+            ax_loss.plot(steps, losses, color="0.6", linewidth=4, alpha=0.6, label=name, zorder=1)
+        else:
+            ax_loss.plot(steps, losses, color=color, marker=".", label=name, zorder=2)
+    ax_loss.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_loss.set_xlabel("optimizer step")
+    ax_loss.set_ylabel("training loss")
+    ax_loss.set_title("loss per step")
+    ax_loss.legend()
+    for axis, key, title in (
+        (ax_tps, "tokens_per_s", "throughput (tokens/s, higher is better)"),
+        (ax_mem, "peak_memory_mb", f"peak memory (MB, lower is better)\n{columns[0][1]['memory_kind']}"),
+    ):
+        values = [summary[key] for _, summary in columns]
+        bars = axis.bar(names, values, color=colors)
+        base = values[0]
+        axis.bar_label(bars, labels=[f"{v / base:.2f}x" if base else "" for v in values], fontsize=9)
+        axis.set_title(title, fontsize=10)
+        axis.tick_params(axis="x", rotation=30 if len(names) > 3 else 0)
+    fig.suptitle(
+        f"fasttrain bench: {config.model} on {config.device}, seq {config.seq_len}, batch {config.batch_size}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

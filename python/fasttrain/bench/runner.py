@@ -1,0 +1,142 @@
+"""Run every contender in its own child process, alternating, with one progress bar across all runs.
+
+Order: round r runs the contenders in order, reversed on odd rounds (reference, fasttrain, then fasttrain,
+reference, ...), so slow drift of the machine (thermal, other load) falls on both sides alike.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .config import BenchConfig, Contender, dump
+
+_POLL_S = 0.2
+_LOG_TAIL_LINES = 30
+
+
+class BenchError(ValueError):
+    """A user error detected by a child (bad dataset contents, tokenizer/model mismatch): exit code 2."""
+
+
+class RunFailed(RuntimeError):
+    """A child crashed; the message carries the tail of its log."""
+
+
+def schedule(contenders: list[Contender], repeats: int) -> list[tuple[int, Contender]]:
+    order: list[tuple[int, Contender]] = []
+    for round_index in range(repeats):
+        ring = contenders if round_index % 2 == 0 else list(reversed(contenders))
+        order.extend((round_index, contender) for contender in ring)
+    return order
+
+
+def _child_env(contender: Contender) -> dict[str, str]:
+    env = dict(os.environ)
+    # Only an ablation run may switch hot paths off; an inherited FASTTRAIN_DISABLE would skew the comparison.
+    env.pop("FASTTRAIN_DISABLE", None)
+    if contender.disable:
+        env["FASTTRAIN_DISABLE"] = contender.disable
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def _tail(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return "".join(handle.readlines()[-_LOG_TAIL_LINES:])
+    except OSError:
+        return "(no log)"
+
+
+def run_one(
+    config: BenchConfig, contender: Contender, workdir: str, tag: str, on_step: Callable[[int], None]
+) -> dict[str, Any]:
+    """One child run; ``on_step(n)`` is called with the number of optimizer steps finished since the last call."""
+    job_path = os.path.join(workdir, f"{tag}.job.json")
+    result_path = os.path.join(workdir, f"{tag}.result.json")
+    progress_path = os.path.join(workdir, f"{tag}.progress")
+    log_path = os.path.join(workdir, f"{tag}.log")
+    dump(
+        job_path,
+        {
+            "config": config.to_json(),
+            "contender": contender.to_json(),
+            "result_path": result_path,
+            "progress_path": progress_path,
+        },
+    )
+    open(progress_path, "w").close()
+    seen = 0
+    with open(log_path, "w", encoding="utf-8") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "fasttrain.bench.worker", job_path],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_child_env(contender),
+        )
+        try:
+            while True:
+                code = child.poll()
+                with open(progress_path, encoding="ascii") as progress:
+                    done = sum(1 for _ in progress)
+                if done > seen:
+                    on_step(done - seen)
+                    seen = done
+                if code is not None:
+                    break
+                time.sleep(_POLL_S)
+        except BaseException:  # Ctrl-C or a failing callback: do not leave the child training
+            child.kill()
+            child.wait()
+            raise
+    import json
+
+    result: dict[str, Any] = {}
+    if os.path.exists(result_path):
+        with open(result_path, encoding="utf-8") as handle:
+            result = json.load(handle)
+    if code == 2 and "error" in result:
+        raise BenchError(result["error"])
+    if code != 0 or not result:
+        raise RunFailed(
+            f"the {contender.name} run exited with code {code}; last lines of its log:\n{_tail(log_path)}"
+        )
+    result["wall_s"] = None  # filled by the caller, which times the whole child
+    return result
+
+
+def run_all(
+    config: BenchConfig, contenders: list[Contender], repeats: int, progress: bool = True
+) -> dict[str, list[dict[str, Any]]]:
+    """Every repetition of every contender: contender name -> list of worker results, in run order."""
+    from tqdm.auto import tqdm
+
+    order = schedule(contenders, repeats)
+    results: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
+    bar = tqdm(
+        total=len(order) * config.steps,
+        unit="step",
+        disable=not progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
+    try:
+        with tempfile.TemporaryDirectory(prefix="fasttrain-bench-") as workdir:
+            for index, (round_index, contender) in enumerate(order):
+                bar.set_description(f"{contender.name} {round_index + 1}/{repeats}")
+                started = time.perf_counter()
+                result = run_one(config, contender, workdir, f"{index:02d}-{contender.name}", bar.update)
+                result["wall_s"] = time.perf_counter() - started
+                result["round"] = round_index
+                # a run that ended early (it should not) still leaves the bar consistent
+                bar.update(max(0, config.steps - result["steps"]))
+                results[contender.name].append(result)
+    finally:
+        bar.close()
+    return results

@@ -1,0 +1,95 @@
+"""From raw runs to the figures the report shows: medians per contender, ratios, loss parity."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from .config import FASTTRAIN, LIGER, REFERENCE
+
+
+def _median(values: list[float]) -> float:
+    clean = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(clean) if clean else float("nan")
+
+
+def loss_difference(a: list[float | None], b: list[float | None]) -> dict[str, float | int | None]:
+    """Largest per-step |a - b| over the steps both logged, absolute and relative to |a|."""
+    pairs = [(x, y) for x, y in zip(a, b, strict=False) if x is not None and y is not None]
+    if not pairs:
+        return {"max_abs": None, "max_rel": None, "steps_compared": 0}
+    return {
+        "max_abs": max(abs(x - y) for x, y in pairs),
+        "max_rel": max(abs(x - y) / max(abs(x), 1e-12) for x, y in pairs),
+        "steps_compared": len(pairs),
+    }
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One contender: medians over its repetitions; losses and hot paths from its first repetition."""
+    first = runs[0]
+    summary: dict[str, Any] = {
+        "trainer": first["trainer"],
+        "trainer_class": first["trainer_class"],
+        "fasttrain_disable": first.get("fasttrain_disable"),
+        "repetitions": len(runs),
+        "tokens_per_s": _median([r["tokens_per_s"] for r in runs]),
+        "step_time_s": _median([r["step_time_s"] for r in runs]),
+        "tokens_per_cpu_s": _median([r.get("tokens_per_cpu_s", float("nan")) for r in runs]),
+        "peak_memory_mb": _median([r["peak_memory_mb"] for r in runs]),
+        "memory_after_setup_mb": _median([r["memory_after_setup_mb"] for r in runs]),
+        "peak_above_setup_mb": _median([r["peak_above_setup_mb"] for r in runs]),
+        "memory_kind": first["memory_kind"],
+        "losses": first["losses"],
+        "final_loss": first["final_loss"],
+        "hot_paths": first["hot_paths"],
+        "warmup_steps_excluded": first["warmup_steps_excluded"],
+        "tokens_per_step": first["tokens_per_step"],
+        # Repetitions of one contender should give the same losses: their spread is the noise floor
+        # against which the reference-vs-fasttrain difference is read.
+        "loss_difference_between_repetitions": max(
+            (loss_difference(first["losses"], r["losses"])["max_abs"] or 0.0 for r in runs[1:]), default=None
+        ),
+        "runs": runs,
+    }
+    if "gpu_name" in first:
+        summary["gpu_name"] = first["gpu_name"]
+    return summary
+
+
+def compare(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    def ratio(key: str) -> float:
+        base = reference[key]
+        return other[key] / base if base else float("nan")
+
+    return {
+        "tokens_per_s_ratio": ratio("tokens_per_s"),
+        "step_time_ratio": ratio("step_time_s"),
+        "tokens_per_cpu_s_ratio": ratio("tokens_per_cpu_s"),
+        "peak_memory_ratio": ratio("peak_memory_mb"),
+        "peak_above_setup_ratio": ratio("peak_above_setup_mb"),
+        "loss_difference": loss_difference(reference["losses"], other["losses"]),
+    }
+
+
+def build(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """``{"reference": {...}, "fasttrain": {...}, ["liger": {...}], ["ablations": {...}], "comparison": {...}}``."""
+    summaries = {name: summarize(runs) for name, runs in results.items() if runs}
+    out: dict[str, Any] = {}
+    for name in (REFERENCE, FASTTRAIN, LIGER):
+        if name in summaries:
+            out[name] = summaries.pop(name)
+    if summaries:
+        out["ablations"] = summaries
+    reference = out[REFERENCE]
+    comparison: dict[str, Any] = {}
+    for name in (FASTTRAIN, LIGER):
+        if name in out:
+            comparison[f"{name}_vs_reference"] = compare(reference, out[name])
+    if FASTTRAIN in out and LIGER in out:
+        comparison["fasttrain_vs_liger"] = compare(out[LIGER], out[FASTTRAIN])
+    for name, summary in out.get("ablations", {}).items():
+        comparison[f"{name}_vs_reference"] = compare(reference, summary)
+    out["comparison"] = comparison
+    return out

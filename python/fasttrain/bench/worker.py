@@ -1,0 +1,269 @@
+"""One training run, in its own process: ``python -m fasttrain.bench.worker JOB.json``.
+
+The reference and fasttrain run the same script; only the Trainer class differs (and, for the Liger
+contender, ``use_liger_kernel=True``). The child writes its result to the JSON path named in the job and one
+line per optimizer step to the progress file the parent watches. Its own process keeps its peak memory its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import platform
+import resource
+import sys
+import tempfile
+import time
+from typing import Any
+
+from .config import FASTTRAIN, LIGER, BenchConfig, Contender, dump
+
+
+def _rss_mb() -> float:
+    """Resident set size now, from /proc (Linux); ru_maxrss is a peak, this is the current value."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as handle:
+            pages = int(handle.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        return float("nan")
+
+
+def _peak_rss_mb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+
+
+def _tokenizer_for(config: BenchConfig):
+    """The model's own tokenizer when it has one (local directory or hub id), else the built-in stdlib BPE."""
+    from . import models, tokenizer
+
+    if config.model not in models.BUILTIN_SHAPES:
+        from transformers import AutoTokenizer
+
+        local = models.looks_like_local_path(config.model)
+        source = os.path.expanduser(config.model) if local else config.model
+        # A bare local checkpoint (weights and config only) gets the built-in tokenizer: AutoTokenizer would
+        # build an empty one from the config's model type instead of failing.
+        has_files = not local or any(
+            os.path.exists(os.path.join(source, name)) for name in ("tokenizer.json", "tokenizer_config.json")
+        )
+        tok = None
+        if has_files:
+            try:
+                tok = AutoTokenizer.from_pretrained(source, local_files_only=local or models.hub_offline())
+            except (OSError, ValueError):
+                tok = None  # a hub model without a tokenizer: the built-in one serves
+        if tok is not None:
+            if tok.pad_token is None:
+                tok.pad_token = tok.eos_token
+            return tok
+    path, _ = tokenizer.load_or_train()
+    return tokenizer.as_transformers_tokenizer(path)
+
+
+def _training_arguments(config: BenchConfig, contender: Contender, output_dir: str):
+    from transformers import TrainingArguments
+
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    kwargs: dict[str, Any] = dict(
+        output_dir=output_dir,
+        max_steps=config.steps,
+        per_device_train_batch_size=config.batch_size,
+        gradient_accumulation_steps=config.grad_accum,
+        learning_rate=config.learning_rate,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        dataloader_num_workers=0,
+        seed=config.seed,
+        bf16=config.bf16,
+        use_cpu=config.device == "cpu",
+        disable_tqdm=True,
+        include_num_input_tokens_seen="non_padding",
+    )
+    if config.group_by_length:
+        # transformers 5.x names it train_sampling_strategy; older releases (the GPU machine's 5.17 may) group_by_length
+        if "train_sampling_strategy" in fields:
+            kwargs["train_sampling_strategy"] = "group_by_length"
+        else:
+            kwargs["group_by_length"] = True
+    if contender.trainer == LIGER:
+        kwargs["use_liger_kernel"] = True
+    return TrainingArguments(**kwargs)
+
+
+def _recorder(config: BenchConfig, progress_path: str | None, is_cuda: bool):
+    """A TrainerCallback that records every optimizer step: loss, grad norm, wall time, tokens seen."""
+    import torch
+    from transformers import TrainerCallback
+
+    class StepRecorder(TrainerCallback):
+        def __init__(self) -> None:
+            self.start = 0.0
+            self.step_end: list[float] = []
+            # CPU seconds of this process (all threads): unlike wall time, barely moved by other load on the machine
+            self.start_cpu = 0.0
+            self.step_end_cpu: list[float] = []
+            self.tokens_seen: list[int] = []
+            self.losses: dict[int, float] = {}
+            self.grad_norms: dict[int, float] = {}
+            self.progress = open(progress_path, "a", encoding="ascii") if progress_path else None  # noqa: SIM115
+
+        def _now(self) -> float:
+            if is_cuda:  # time what the GPU did, not what was queued
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start = self._now()
+            self.start_cpu = time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.step_end.append(self._now())
+            self.step_end_cpu.append(time.process_time())
+            self.tokens_seen.append(int(state.num_input_tokens_seen))
+            if self.progress:
+                self.progress.write(f"{state.global_step}\n")
+                self.progress.flush()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logs = logs or {}
+            if "loss" in logs:
+                self.losses[state.global_step] = float(logs["loss"])
+            if logs.get("grad_norm") is not None:
+                self.grad_norms[state.global_step] = float(logs["grad_norm"])
+
+    return StepRecorder()
+
+
+def run(config: BenchConfig, contender: Contender, progress_path: str | None = None) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(config.threads)
+    import transformers
+    from transformers import DataCollatorForLanguageModeling, set_seed
+
+    from . import data, models
+
+    is_cuda = config.device == "cuda"
+    t0 = time.perf_counter()
+    tok = _tokenizer_for(config)
+    examples = data.build_examples(config.dataset, tok, config.seq_len, config.examples_needed)
+    if not examples:
+        raise data.DatasetError(
+            f"--dataset {config.dataset!r} yields no example of at least {data.MIN_TOKENS} tokens"
+        )
+    train_dataset = data.as_dataset(examples)
+    dtype = torch.bfloat16 if config.bf16 else torch.float32
+    model = models.build_model(config.model, config.seq_len, config.seed, config.device, dtype)
+    if len(tok) > model.config.vocab_size:
+        raise models.ModelError(
+            f"the tokenizer has {len(tok)} tokens but the model's vocabulary is {model.config.vocab_size}"
+        )
+    set_seed(config.seed)
+    setup_s = time.perf_counter() - t0
+    rss_after_setup = _rss_mb()
+    if is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        allocated_after_setup = torch.cuda.memory_allocated() / 2**20
+
+    if contender.trainer == FASTTRAIN:
+        import fasttrain
+
+        trainer_cls = fasttrain.Trainer
+    else:
+        trainer_cls = transformers.Trainer
+    recorder = _recorder(config, progress_path, is_cuda)
+    with tempfile.TemporaryDirectory(prefix="fasttrain-bench-") as output_dir:
+        trainer = trainer_cls(
+            model=model,
+            args=_training_arguments(config, contender, output_dir),
+            train_dataset=train_dataset,
+            data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+            callbacks=[recorder],
+        )
+        trainer.train()
+    status = dict(getattr(trainer, "fasttrain_status", None) or {})
+    requested = getattr(trainer, "hot_paths", None)  # fasttrain.Trainer: HotPaths after FASTTRAIN_DISABLE
+
+    steps_done = len(recorder.step_end)
+    warmup = min(config.warmup_steps, max(steps_done - 1, 0))
+    times = [recorder.start, *recorder.step_end]
+    seen = [0, *recorder.tokens_seen]
+    timed_s = times[-1] - times[warmup]
+    cpu_times = [recorder.start_cpu, *recorder.step_end_cpu]
+    timed_cpu_s = cpu_times[-1] - cpu_times[warmup]
+    timed_tokens = seen[-1] - seen[warmup]
+    losses = [recorder.losses.get(step) for step in range(1, steps_done + 1)]
+    result: dict[str, Any] = {
+        "contender": contender.name,
+        "trainer": contender.trainer,
+        "trainer_class": f"{trainer_cls.__module__}.{trainer_cls.__qualname__}",
+        "fasttrain_disable": os.environ.get("FASTTRAIN_DISABLE") or None,
+        "steps": steps_done,
+        "warmup_steps_excluded": warmup,
+        "tokens_per_s": timed_tokens / timed_s if timed_s > 0 else float("nan"),
+        "step_time_s": timed_s / (steps_done - warmup) if steps_done > warmup else float("nan"),
+        "tokens_per_cpu_s": timed_tokens / timed_cpu_s if timed_cpu_s > 0 else float("nan"),
+        "step_times_s": [b - a for a, b in itertools.pairwise(times)],
+        "tokens_per_step": [b - a for a, b in itertools.pairwise(seen)],
+        "timed_tokens": timed_tokens,
+        "losses": losses,
+        "grad_norms": [recorder.grad_norms.get(step) for step in range(1, steps_done + 1)],
+        "final_loss": losses[-1] if losses else None,
+        "hot_paths": status,
+        "hot_paths_requested": dataclasses.asdict(requested) if dataclasses.is_dataclass(requested) else None,
+        "setup_s": setup_s,
+        "num_examples": len(examples),
+        "pid": os.getpid(),
+    }
+    if is_cuda:
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        result.update(
+            peak_memory_mb=peak,
+            memory_kind="torch.cuda.max_memory_allocated",
+            memory_after_setup_mb=allocated_after_setup,
+            peak_above_setup_mb=peak - allocated_after_setup,
+            gpu_name=torch.cuda.get_device_name(),
+        )
+    else:
+        peak = _peak_rss_mb()
+        result.update(
+            peak_memory_mb=peak,
+            memory_kind="peak RSS (ru_maxrss)",
+            memory_after_setup_mb=rss_after_setup,
+            peak_above_setup_mb=peak - rss_after_setup,
+        )
+    result["python"] = platform.python_version()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m fasttrain.bench.worker JOB.json", file=sys.stderr)
+        return 2
+    with open(argv[0], encoding="utf-8") as handle:
+        job = json.load(handle)
+    config = BenchConfig.from_json(job["config"])
+    contender = Contender(**job["contender"])
+    from .data import DatasetError
+    from .models import ModelError
+
+    try:
+        result = run(config, contender, job.get("progress_path"))
+    except (DatasetError, ModelError) as exc:
+        # A user error found only once the data/model is opened: one line, and the parent shows it as is.
+        dump(job["result_path"], {"error": str(exc)})
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    dump(job["result_path"], result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

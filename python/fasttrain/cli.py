@@ -1,0 +1,264 @@
+"""The ``fasttrain`` command line: ``fasttrain bench`` (also ``python -m fasttrain bench``).
+
+Exit codes: 0 done; 2 bad options or unusable model/data (one line on stderr, no traceback); 1 a training
+run crashed (the tail of its log on stderr); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shlex
+import sys
+import time
+
+from .hot_paths import HotPaths
+
+# Per-device defaults. CPU: sized so that reference + fasttrain, two repetitions each, take about
+# 3 minutes on 2 cores. CUDA: the Qwen3-0.6B shape in bf16 at sequence length 4,096.
+DEVICE_DEFAULTS = {
+    "cpu": {"model": "qwen3-cpu", "seq_len": 256, "batch_size": 4, "steps": 12, "bf16": False},
+    "cuda": {"model": "qwen3-0.6b", "seq_len": 4096, "batch_size": 2, "steps": 12, "bf16": True},
+}
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _bench_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "bench",
+        help="run the transformers Trainer and fasttrain side by side",
+        description="Train the same model on the same data with the same seed and arguments, once with "
+        "transformers.Trainer and once with fasttrain.Trainer, each in its own process, alternating "
+        "repetitions; then print a side-by-side table.",
+    )
+    p.add_argument(
+        "--model",
+        help="built-in shape (tiny, qwen3-cpu, qwen3-0.6b, qwen3-1.7b; random init), "
+        "a local directory or a hub id (default: qwen3-cpu on cpu, qwen3-0.6b on cuda)",
+    )
+    p.add_argument(
+        "--dataset",
+        default="default",
+        help="'default' (the Python standard library's sources), "
+        "a local .json/.jsonl/.parquet/.txt file with a 'text' column or lines, or a hub dataset id",
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="default: cuda when available, else cpu",
+    )
+    p.add_argument("--steps", type=int, help="optimizer steps per run (default: 12)")
+    p.add_argument(
+        "--seq-len", type=int, help="maximum tokens per example (default: 256 on cpu, 4096 on cuda)"
+    )
+    p.add_argument("--batch-size", type=int, help="per-device batch size (default: 4 on cpu, 2 on cuda)")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: 1)")
+    p.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 weights and bf16=True (default: on for cuda, off for cpu)",
+    )
+    p.add_argument("--repeats", type=int, default=2, help="repetitions per contender (default: 2)")
+    p.add_argument(
+        "--warmup-steps", type=int, default=2, help="first steps left out of the timing (default: 2)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
+    p.add_argument("--threads", type=int, help="torch threads in every run (default: all usable cores)")
+    p.add_argument(
+        "--group-by-length",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="train_sampling_strategy='group_by_length' (default: on)",
+    )
+    p.add_argument(
+        "--liger",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add transformers.Trainer with use_liger_kernel=True as a third contender "
+        "(default: on for cuda when liger_kernel is installed)",
+    )
+    p.add_argument(
+        "--ablate",
+        action="store_true",
+        help="also run fasttrain with each hot path switched off in turn, and with all off",
+    )
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument(
+        "--markdown", metavar="PATH", help="write the table as Markdown, with date, machine, versions"
+    )
+    p.add_argument("--plot", metavar="PATH", help="write a PNG: loss curves, throughput and memory bars")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fasttrain", description="fasttrain: a faster transformers Trainer")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _bench_parser(sub)
+    return parser
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check_output_path(option: str, path: str | None) -> None:
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"{option} {path!r}: the directory {parent!r} does not exist")
+
+
+def resolve(args: argparse.Namespace):
+    """Validated settings: (BenchConfig, contenders, repeats)."""
+    from .bench import data, models
+    from .bench.config import FASTTRAIN, LIGER, REFERENCE, BenchConfig, Contender
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if _cuda_available() else "cpu"
+    elif device == "cuda" and not _cuda_available():
+        raise UsageError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    defaults = DEVICE_DEFAULTS[device]
+    pick = lambda value, key: defaults[key] if value is None else value  # noqa: E731
+
+    steps, seq_len, batch = (
+        pick(args.steps, "steps"),
+        pick(args.seq_len, "seq_len"),
+        pick(args.batch_size, "batch_size"),
+    )
+    threads = args.threads if args.threads is not None else len(os.sched_getaffinity(0))
+    for option, value, minimum in (
+        ("--steps", steps, 1),
+        ("--seq-len", seq_len, data.MIN_TOKENS),
+        ("--batch-size", batch, 1),
+        ("--grad-accum", args.grad_accum, 1),
+        ("--repeats", args.repeats, 1),
+        ("--warmup-steps", args.warmup_steps, 0),
+        ("--threads", threads, 1),
+    ):
+        if value < minimum:
+            raise UsageError(f"{option} must be at least {minimum} (got {value})")
+    if args.warmup_steps >= steps:
+        raise UsageError(f"--warmup-steps ({args.warmup_steps}) must be smaller than --steps ({steps})")
+    if not args.lr > 0:
+        raise UsageError(f"--lr must be positive (got {args.lr})")
+    model = pick(args.model, "model")
+    try:
+        models.check_model_spec(model)
+        data.check_dataset_spec(args.dataset)
+    except (models.ModelError, data.DatasetError) as exc:
+        raise UsageError(str(exc)) from None
+    bf16 = pick(args.bf16, "bf16")
+    if bf16 and device == "cpu":
+        import torch
+
+        if not torch.backends.mkldnn.is_available():
+            raise UsageError("--bf16 on cpu needs a torch build with oneDNN (mkldnn)")
+
+    liger_installed = importlib.util.find_spec("liger_kernel") is not None
+    liger = args.liger if args.liger is not None else (device == "cuda" and liger_installed)
+    if liger and not liger_installed:
+        raise UsageError("--liger: liger_kernel is not installed (pip install liger-kernel)")
+    if liger and device != "cuda":
+        raise UsageError("--liger needs --device cuda (Liger's Triton kernels do not run on cpu)")
+    for option, path in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
+        _check_output_path(option, path)
+    if args.plot:
+        from .bench.report import PlotUnavailable, check_plot_available
+
+        try:
+            check_plot_available()
+        except PlotUnavailable as exc:
+            raise UsageError(str(exc)) from None
+
+    config = BenchConfig(
+        model=model,
+        dataset=args.dataset,
+        device=device,
+        steps=steps,
+        seq_len=seq_len,
+        batch_size=batch,
+        grad_accum=args.grad_accum,
+        bf16=bf16,
+        seed=args.seed,
+        threads=threads,
+        learning_rate=args.lr,
+        warmup_steps=args.warmup_steps,
+        group_by_length=args.group_by_length,
+    )
+    contenders = [Contender(REFERENCE, REFERENCE), Contender(FASTTRAIN, FASTTRAIN)]
+    if liger:
+        contenders.insert(1, Contender(LIGER, LIGER))
+    if args.ablate:
+        contenders += [
+            Contender(f"fasttrain-no-{name}", FASTTRAIN, name) for name in (*HotPaths.names(), "all")
+        ]
+    return config, contenders, args.repeats
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def bench(args: argparse.Namespace, argv: list[str]) -> int:
+    from .bench import report, runner, summary
+
+    config, contenders, repeats = resolve(args)
+    started = time.perf_counter()
+    load_start = _load_average()
+    results = runner.run_all(config, contenders, repeats, progress=not args.no_progress)
+    data = summary.build(results)
+    data["config"] = config.to_json()
+    data["command"] = shlex.join(["fasttrain", *argv])
+    data["wall_s"] = time.perf_counter() - started
+    if load_start is not None:
+        data["load_average"] = {"start": load_start, "end": _load_average()}
+    data["environment"] = report.environment(data)
+    print(report.text_table(config, data))
+    if args.json:
+        report.write_json(args.json, data)
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as handle:
+            handle.write(report.markdown(config, data))
+    if args.plot:
+        report.plot(args.plot, config, data)
+    for option, path in (("json", args.json), ("markdown", args.markdown), ("plot", args.plot)):
+        if path:
+            print(f"{option}: {path}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)  # argparse itself exits 2 with a usage line on unknown options
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    from .bench.runner import BenchError, RunFailed
+
+    try:
+        return bench(args, argv)
+    except (UsageError, BenchError) as exc:
+        print(f"fasttrain bench: error: {exc}", file=sys.stderr)
+        return 2
+    except RunFailed as exc:
+        print(f"fasttrain bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fasttrain bench: interrupted", file=sys.stderr)
+        return 130

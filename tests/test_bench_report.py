@@ -1,0 +1,194 @@
+"""Aggregation and reporting: medians, ratios, loss parity, the table, the JSON schema, the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+
+from fasttrain.bench import report, runner, summary
+from fasttrain.bench.config import BenchConfig, Contender
+
+CONFIG = BenchConfig(
+    model="tiny",
+    dataset="default",
+    device="cpu",
+    steps=4,
+    seq_len=32,
+    batch_size=2,
+    grad_accum=1,
+    bf16=False,
+    seed=0,
+    threads=1,
+    learning_rate=1e-3,
+    warmup_steps=1,
+    group_by_length=True,
+)
+
+
+def _run(name: str, trainer: str, tps: float, peak: float, losses: list[float], status=None) -> dict:
+    return {
+        "contender": name,
+        "trainer": trainer,
+        "trainer_class": f"x.{trainer}",
+        "fasttrain_disable": None,
+        "steps": len(losses),
+        "warmup_steps_excluded": 1,
+        "tokens_per_s": tps,
+        "step_time_s": 1.0 / tps,
+        "step_times_s": [0.1] * len(losses),
+        "tokens_per_step": [10] * len(losses),
+        "timed_tokens": 30,
+        "losses": losses,
+        "grad_norms": [1.0] * len(losses),
+        "final_loss": losses[-1],
+        "hot_paths": status or {},
+        "peak_memory_mb": peak,
+        "memory_kind": "peak RSS (ru_maxrss)",
+        "memory_after_setup_mb": 100.0,
+        "peak_above_setup_mb": peak - 100.0,
+    }
+
+
+@pytest.fixture
+def results():
+    status = {
+        "optimizer": "on",
+        "clip": "on",
+        "loss": "off: not a causal LM",
+        "collator": "on",
+        "sampler": "on",
+    }
+    return {
+        "reference": [
+            _run("reference", "reference", 100.0, 500.0, [4.0, 3.0, 2.0, 1.0]),
+            _run("reference", "reference", 120.0, 520.0, [4.0, 3.0, 2.0, 1.0]),
+        ],
+        "fasttrain": [
+            _run("fasttrain", "fasttrain", 150.0, 240.0, [4.0, 3.0, 2.2, 1.0], status),
+            _run("fasttrain", "fasttrain", 130.0, 260.0, [4.0, 3.0, 2.2, 1.1], status),
+        ],
+    }
+
+
+def test_loss_difference_absolute_and_relative():
+    d = summary.loss_difference([2.0, 4.0, None], [2.5, 3.0, 1.0])
+    assert d == {"max_abs": 1.0, "max_rel": 0.25, "steps_compared": 2}
+    assert summary.loss_difference([None], [1.0])["max_abs"] is None
+
+
+def test_build_medians_ratios_and_parity(results):
+    data = summary.build(results)
+    ref, fast = data["reference"], data["fasttrain"]
+    assert ref["tokens_per_s"] == 110.0 and fast["tokens_per_s"] == 140.0  # medians of two repetitions
+    assert fast["peak_memory_mb"] == 250.0
+    vs = data["comparison"]["fasttrain_vs_reference"]
+    assert vs["tokens_per_s_ratio"] == pytest.approx(140 / 110)
+    assert vs["peak_memory_ratio"] == pytest.approx(250 / 510)
+    assert vs["loss_difference"]["max_abs"] == pytest.approx(0.2)
+    assert vs["loss_difference"]["max_rel"] == pytest.approx(0.1)
+    assert ref["loss_difference_between_repetitions"] == 0.0
+    assert fast["loss_difference_between_repetitions"] == pytest.approx(0.1)
+    assert fast["losses"] == [4.0, 3.0, 2.2, 1.0] and fast["repetitions"] == 2
+
+
+def test_ablations_are_grouped_and_compared(results):
+    results["fasttrain-no-loss"] = [
+        _run("fasttrain-no-loss", "fasttrain", 105.0, 480.0, [4.0, 3.0, 2.0, 1.0])
+    ]
+    data = summary.build(results)
+    assert list(data["ablations"]) == ["fasttrain-no-loss"]
+    assert data["comparison"]["fasttrain-no-loss_vs_reference"]["peak_memory_ratio"] == pytest.approx(
+        480 / 510
+    )
+
+
+def _full(results) -> dict:
+    data = summary.build(results)
+    data.update(config=CONFIG.to_json(), command="fasttrain bench --model tiny", wall_s=12.0)
+    data["environment"] = report.environment(data)
+    return data
+
+
+def test_table_shows_every_row(results):
+    text = report.text_table(CONFIG, _full(results))
+    for label in (
+        "tokens/s",
+        "step time",
+        "peak memory",
+        "above setup",
+        "final loss",
+        "largest per-step loss diff",
+        "hot paths",
+    ):
+        assert label in text
+    assert "(1.27x)" in text  # 140 / 110 tokens/s
+    assert "(0.49x)" in text  # 250 / 510 MB
+    assert "optimizer, clip, collator, sampler; off: loss (off: not a causal LM)" in text
+    assert "exclude the first 1 (warm-up) steps" in text
+
+
+def test_markdown_has_provenance(results):
+    md = report.markdown(CONFIG, _full(results))
+    assert "- command: `fasttrain bench --model tiny`" in md
+    assert "- date (UTC): " in md and "- machine: " in md and "torch " in md
+    assert "| tokens/s | 110.0 | 140.0 (1.27x) |" in md
+
+
+def test_json_schema_and_nan_becomes_null(results, tmp_path):
+    results["reference"][0]["tokens_per_s"] = math.nan
+    data = _full(results)
+    path = tmp_path / "out.json"
+    report.write_json(str(path), data)
+    loaded = json.loads(path.read_text())  # strict JSON: no NaN literal
+    for side in ("reference", "fasttrain"):
+        assert {"tokens_per_s", "peak_memory_mb", "losses"} <= loaded[side].keys()
+        assert len(loaded[side]["losses"]) == CONFIG.steps
+    assert loaded["reference"]["runs"][0]["tokens_per_s"] is None
+    assert loaded["reference"]["tokens_per_s"] == 120.0  # the median skips the NaN repetition
+
+
+def test_plot_writes_a_png(results, tmp_path):
+    path = tmp_path / "bench.png"
+    report.plot(str(path), CONFIG, _full(results))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_a_clear_error(results, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(report.PlotUnavailable, match="needs matplotlib"):
+        report.plot(str(tmp_path / "x.png"), CONFIG, _full(results))
+    from fasttrain import cli
+
+    assert cli.main(["bench", "--device", "cpu", "--plot", str(tmp_path / "x.png")]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_schedule_alternates_and_reverses_each_round():
+    a, b, c = (
+        Contender("reference", "reference"),
+        Contender("fasttrain", "fasttrain"),
+        Contender("x", "fasttrain", "loss"),
+    )
+    order = [(r, x.name) for r, x in runner.schedule([a, b, c], 3)]
+    assert order == [
+        (0, "reference"),
+        (0, "fasttrain"),
+        (0, "x"),
+        (1, "x"),
+        (1, "fasttrain"),
+        (1, "reference"),
+        (2, "reference"),
+        (2, "fasttrain"),
+        (2, "x"),
+    ]
+
+
+def test_child_env_passes_only_the_ablation_switch(monkeypatch):
+    monkeypatch.setenv("FASTTRAIN_DISABLE", "optimizer")  # inherited: must not leak into the comparison
+    assert "FASTTRAIN_DISABLE" not in runner._child_env(Contender("fasttrain", "fasttrain"))
+    assert "FASTTRAIN_DISABLE" not in runner._child_env(Contender("reference", "reference"))
+    env = runner._child_env(Contender("fasttrain-no-loss", "fasttrain", "loss"))
+    assert env["FASTTRAIN_DISABLE"] == "loss"

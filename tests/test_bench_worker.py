@@ -1,0 +1,160 @@
+"""One training run (in process, for speed) and the whole command end to end (one child per contender)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fasttrain.bench import worker
+from fasttrain.bench.config import BenchConfig, Contender, dump
+
+
+def _config(**overrides) -> BenchConfig:
+    settings = dict(
+        model="tiny",
+        dataset="default",
+        device="cpu",
+        steps=3,
+        seq_len=32,
+        batch_size=2,
+        grad_accum=1,
+        bf16=False,
+        seed=0,
+        threads=torch.get_num_threads(),
+        learning_rate=1e-3,
+        warmup_steps=1,
+        group_by_length=True,
+    )
+    settings.update(overrides)
+    return BenchConfig(**settings)
+
+
+@pytest.fixture(scope="module")
+def reference_result(tmp_path_factory):
+    progress = tmp_path_factory.mktemp("w") / "progress"
+    result = worker.run(_config(), Contender("reference", "reference"), str(progress))
+    result["progress_lines"] = progress.read_text().split()
+    return result
+
+
+def test_worker_result_schema(reference_result):
+    r = reference_result
+    assert r["steps"] == 3 and r["warmup_steps_excluded"] == 1
+    assert len(r["losses"]) == 3 and all(isinstance(x, float) and 0 < x < 20 for x in r["losses"])
+    # a randomly initialised model over Qwen3's vocabulary starts near ln(151936) = 11.93
+    assert r["losses"][0] == pytest.approx(11.93, abs=0.3)
+    assert len(r["step_times_s"]) == 3 and all(t > 0 for t in r["step_times_s"])
+    assert len(r["tokens_per_step"]) == 3 and all(0 < n <= 2 * 32 for n in r["tokens_per_step"])
+    assert r["timed_tokens"] == sum(r["tokens_per_step"][1:])
+    assert r["tokens_per_s"] == pytest.approx(r["timed_tokens"] / (sum(r["step_times_s"][1:])), rel=1e-6)
+    assert r["peak_memory_mb"] >= r["memory_after_setup_mb"] > 0
+    assert r["memory_kind"].startswith("peak RSS")
+    assert r["trainer_class"] == "transformers.trainer.Trainer"
+    assert r["progress_lines"] == ["1", "2", "3"]
+    json.dumps(r, allow_nan=False)
+
+
+def test_same_seed_same_losses_and_grad_accum_counts_tokens(reference_result):
+    again = worker.run(_config(), Contender("reference", "reference"))
+    assert again["losses"] == reference_result["losses"]  # identical weights, data and order
+    accum = worker.run(_config(grad_accum=2, steps=2), Contender("reference", "reference"))
+    assert all(0 < n <= 2 * 2 * 32 for n in accum["tokens_per_step"])
+    assert max(accum["tokens_per_step"]) > 2 * 32  # two micro-batches per optimizer step
+
+
+def test_fasttrain_run_reads_the_ablation_switch(monkeypatch):
+    monkeypatch.setenv("FASTTRAIN_DISABLE", "loss")
+    r = worker.run(_config(steps=2), Contender("fasttrain-no-loss", "fasttrain", "loss"))
+    assert r["trainer_class"] == "fasttrain.trainer.Trainer"
+    assert r["fasttrain_disable"] == "loss"
+    assert r["hot_paths_requested"]["loss"] is False
+    assert r["hot_paths_requested"]["optimizer"] is True
+    assert isinstance(r["hot_paths"], dict)
+
+
+def test_worker_main_reports_a_data_error_as_exit_2(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "no text column"}) + "\n")
+    job = tmp_path / "job.json"
+    result = tmp_path / "result.json"
+    dump(
+        job,
+        {
+            "config": _config(dataset=str(bad)).to_json(),
+            "contender": Contender("reference", "reference").to_json(),
+            "result_path": str(result),
+        },
+    )
+    assert worker.main([str(job)]) == 2
+    assert "no 'text' or 'input_ids' column" in json.loads(result.read_text())["error"]
+
+
+def test_python_m_fasttrain_bench_end_to_end(tmp_path):
+    """The real command: two child processes, progress bar, table, --json, --markdown, --plot."""
+    out = tmp_path / "r"
+    env = dict(os.environ, FASTTRAIN_DISABLE="optimizer")  # inherited by the parent, must not reach fasttrain
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fasttrain",
+            "bench",
+            "--device",
+            "cpu",
+            "--model",
+            "tiny",
+            "--steps",
+            "2",
+            "--warmup-steps",
+            "1",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "2",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--json",
+            f"{out}.json",
+            "--markdown",
+            f"{out}.md",
+            "--plot",
+            f"{out}.png",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tokens/s" in proc.stdout and "largest per-step loss diff" in proc.stdout
+    assert "reference 1/1" in proc.stderr and "fasttrain 1/1" in proc.stderr  # the progress bar
+    data = json.loads(out.with_suffix(".json").read_text())
+    for side in ("reference", "fasttrain"):
+        assert {"tokens_per_s", "peak_memory_mb", "losses"} <= data[side].keys()
+        assert len(data[side]["losses"]) == 2 and data[side]["tokens_per_s"] > 0
+    assert data["fasttrain"]["runs"][0]["fasttrain_disable"] is None
+    assert data["fasttrain"]["trainer_class"] == "fasttrain.trainer.Trainer"
+    # same weights, same first batch: the first loss agrees to fp32 rounding whichever loss path runs
+    assert data["fasttrain"]["losses"][0] == pytest.approx(data["reference"]["losses"][0], rel=1e-4)
+    assert data["command"].startswith("fasttrain bench --device cpu --model tiny")
+    assert "| tokens/s |" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_local_checkpoint_directory(tmp_path):
+    """--model PATH loads with local_files_only; a bare checkpoint falls back to the built-in tokenizer."""
+    from fasttrain.bench import models
+
+    checkpoint = tmp_path / "ckpt"
+    models.build_model("tiny", 32, 0, "cpu", torch.float32).save_pretrained(checkpoint)
+    r = worker.run(
+        _config(model=str(checkpoint), steps=1, warmup_steps=0), Contender("reference", "reference")
+    )
+    assert r["steps"] == 1 and r["losses"][0] == pytest.approx(11.93, abs=0.3)

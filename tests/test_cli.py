@@ -1,0 +1,135 @@
+"""`fasttrain bench` option handling: every bad option is one clear line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fasttrain import cli
+from fasttrain.bench.config import FASTTRAIN, REFERENCE
+from fasttrain.hot_paths import HotPaths
+
+
+def _error(capsys, argv: list[str]) -> str:
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--device", "cpu", "--steps", "0"], "--steps must be at least 1 (got 0)"),
+        (["bench", "--device", "cpu", "--batch-size", "-3"], "--batch-size must be at least 1"),
+        (["bench", "--device", "cpu", "--grad-accum", "0"], "--grad-accum must be at least 1"),
+        (["bench", "--device", "cpu", "--seq-len", "4"], "--seq-len must be at least 16"),
+        (["bench", "--device", "cpu", "--repeats", "0"], "--repeats must be at least 1"),
+        (["bench", "--device", "cpu", "--steps", "3", "--warmup-steps", "3"], "must be smaller than --steps"),
+        (["bench", "--device", "cpu", "--lr", "0"], "--lr must be positive"),
+        (["bench", "--device", "cpu", "--model", "qwen9-huge"], "neither a built-in shape"),
+        (["bench", "--device", "cpu", "--model", "./no/such/dir"], "no such directory"),
+        (["bench", "--device", "cpu", "--dataset", "/no/such/file.jsonl"], "no such file"),
+        (["bench", "--device", "cpu", "--json", "/no/such/dir/out.json"], "does not exist"),
+        (["bench", "--device", "cpu", "--liger"], "liger"),
+    ],
+)
+def test_bad_option_is_one_clear_line(capsys, argv, message):
+    err = _error(capsys, argv)
+    assert message in err
+    assert err.startswith("fasttrain bench: error:")
+    assert err.count("\n") == 1
+
+
+def test_unsupported_dataset_file_type(capsys, tmp_path):
+    path = tmp_path / "data.csv"
+    path.write_text("text\nhello\n")
+    assert "unsupported file type '.csv'" in _error(
+        capsys, ["bench", "--device", "cpu", "--dataset", str(path)]
+    )
+
+
+def test_model_directory_without_config(capsys, tmp_path):
+    assert "no config.json" in _error(capsys, ["bench", "--device", "cpu", "--model", str(tmp_path)])
+
+
+def test_hub_id_offline_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "HF_HUB_OFFLINE" in _error(capsys, ["bench", "--device", "cpu", "--model", "Qwen/Qwen3-0.6B"])
+    assert "HF_HUB_OFFLINE" in _error(capsys, ["bench", "--device", "cpu", "--dataset", "someone/some-data"])
+
+
+def test_cuda_without_a_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_cuda_available", lambda: False)
+    assert "no CUDA device" in _error(capsys, ["bench", "--device", "cuda"])
+
+
+def test_unknown_option_and_bad_choice_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "--no-such-option"])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "--device", "tpu"])
+    assert info.value.code == 2
+    assert "invalid choice: 'tpu'" in capsys.readouterr().err
+
+
+def test_no_command_prints_help():
+    assert cli.main([]) == 2
+
+
+def _resolve(argv: list[str]):
+    return cli.resolve(cli.build_parser().parse_args(argv))
+
+
+def test_cpu_defaults():
+    config, contenders, repeats = _resolve(["bench", "--device", "cpu"])
+    assert (config.model, config.seq_len, config.batch_size, config.bf16) == ("qwen3-cpu", 256, 4, False)
+    assert [c.name for c in contenders] == [REFERENCE, FASTTRAIN]
+    assert repeats == 2
+    assert config.threads >= 1
+
+
+def test_ablate_adds_one_fasttrain_run_per_hot_path_and_all():
+    _, contenders, _ = _resolve(["bench", "--device", "cpu", "--ablate", "--model", "tiny", "--steps", "3"])
+    ablations = contenders[2:]
+    assert [c.disable for c in ablations] == [*HotPaths.names(), "all"]
+    assert all(c.trainer == FASTTRAIN for c in ablations)
+    assert ablations[0].name == f"fasttrain-no-{HotPaths.names()[0]}"
+
+
+def test_explicit_options_override_device_defaults(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "x = 1\n" * 40}) + "\n")
+    config, _, _ = _resolve(
+        [
+            "bench",
+            "--device",
+            "cpu",
+            "--model",
+            "tiny",
+            "--steps",
+            "5",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "3",
+            "--grad-accum",
+            "2",
+            "--bf16",
+            "--dataset",
+            str(data),
+            "--no-group-by-length",
+        ]
+    )
+    assert (config.model, config.steps, config.seq_len, config.batch_size, config.grad_accum) == (
+        "tiny",
+        5,
+        32,
+        3,
+        2,
+    )
+    assert config.bf16 and not config.group_by_length and config.dataset == str(data)
+    assert config.examples_needed == 5 * 3 * 2
