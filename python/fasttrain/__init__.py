@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "Trainer": ".trainer",
     "TrainingArguments": ".trainer",
+    "HotPaths": ".hot_paths",
     "patch": ".patching",
     "unpatch": ".patching",
     "FusedAdamW": ".optim",
@@ -35,6 +36,7 @@ __all__ = [
     "DataCollatorWithPadding",
     "DistributedLengthGroupedSampler",
     "FusedAdamW",
+    "HotPaths",
     "LengthGroupedSampler",
     "Trainer",
     "TrainingArguments",
@@ -67,6 +69,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         DataCollatorWithPadding,
     )
     from .data.sampler import DistributedLengthGroupedSampler, LengthGroupedSampler
+    from .hot_paths import HotPaths
     from .loss import fused_linear_cross_entropy
     from .optim import FusedAdamW
     from .patching import patch, unpatch
