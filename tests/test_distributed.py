@@ -18,13 +18,14 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "_train_script.py"
 ROWS = 48  # a multiple of world size x per-device batch: no padding of the last batch across ranks
 EPOCHS = 2
 
 
 def _launch(launcher: list[str], out: Path, trainer: str) -> list[dict]:
-    """``launcher`` ends with what runs the training script (a module for torchrun, a path for accelerate)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    """``launcher`` ends with the training script's path."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [*launcher, str(out), "--trainer", trainer, "--group-by-length", "--epochs", str(EPOCHS),
            "--rows", str(ROWS)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -34,7 +35,7 @@ def _launch(launcher: list[str], out: Path, trainer: str) -> list[dict]:
 
 def _torchrun() -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
-            "-m", "tests.support.train_script"]
+            str(SCRIPT)]
 
 
 def _check(results: list[dict], reference: list[dict] | None) -> None:
@@ -69,5 +70,5 @@ def test_ddp_accelerate_launch(tmp_path, reference_run):
     # torch.distributed.run, and the script's use_cpu=True makes each process a gloo CPU rank.
     launcher = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                 "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
-                str(ROOT / "tests" / "support" / "train_script.py")]
+                str(SCRIPT)]
     _check(_launch(launcher, tmp_path, "fasttrain"), reference_run)

@@ -8,10 +8,9 @@ import torch
 import transformers
 from transformers import trainer_optimizer
 
+import _tiny as tiny
 import fasttrain
 from fasttrain import patching
-
-from .support import tiny
 
 HOOKED = ("__init__", "_get_train_sampler", "create_optimizer", "_clip_grad_norm", "_get_grad_norm",
           "compute_loss", "prediction_step")

@@ -13,11 +13,11 @@ import pytest
 import torch
 import transformers
 
+import _tiny as tiny
 import fasttrain
 
-from .support import tiny
-
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "_train_script.py"
 
 
 def _trainer(cls, out, **overrides):
@@ -89,8 +89,8 @@ def test_optimizer_state_loads_into_torch_adamw(uninterrupted, tmp_path):
 
 
 def test_sigkill_after_checkpoint_then_resume(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "tests.support.train_script", str(tmp_path), "--save-steps", "3",
+    env = dict(os.environ)
+    cmd = [sys.executable, str(SCRIPT), str(tmp_path), "--save-steps", "3",
            "--kill-at-save", "3"]
     # per_device_train_batch_size differs from the fixture's run: compare against a run of the same script
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -98,12 +98,12 @@ def test_sigkill_after_checkpoint_then_resume(tmp_path):
     assert (tmp_path / "checkpoint-3" / "optimizer.pt").exists()
     assert not (tmp_path / "result-rank0.json").exists()
     resumed = subprocess.run(
-        [sys.executable, "-m", "tests.support.train_script", str(tmp_path), "--resume", str(tmp_path / "checkpoint-3")],
+        [sys.executable, str(SCRIPT), str(tmp_path), "--resume", str(tmp_path / "checkpoint-3")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     straight = subprocess.run(
-        [sys.executable, "-m", "tests.support.train_script", str(tmp_path / "straight")],
+        [sys.executable, str(SCRIPT), str(tmp_path / "straight")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert straight.returncode == 0, straight.stderr[-3000:]

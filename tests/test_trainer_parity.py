@@ -11,10 +11,9 @@ import pytest
 import torch
 import transformers
 
+import _tiny as tiny
 import fasttrain
 from fasttrain.hot_paths import HotPaths
-
-from .support import tiny
 
 RTOL = 1e-5
 

@@ -1,6 +1,6 @@
 """A training run in its own process, for tests that kill it or launch it distributed.
 
-usage: python -m tests.support.train_script OUT_DIR [--trainer fasttrain|reference] [--kill-at-save STEP]
+usage: python tests/_train_script.py OUT_DIR [--trainer fasttrain|reference] [--kill-at-save STEP]
        [--max-steps N] [--save-steps N] [--resume CKPT] [--group-by-length] [--record]
 
 Writes OUT_DIR/result-rank{R}.json: per-step loss and grad_norm, the rows each rank trained on per epoch
@@ -13,16 +13,13 @@ import argparse
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
+import _tiny as tiny  # beside this file: a script's own directory is on sys.path
 import fasttrain
-from tests.support import tiny
 
 
 class KillAtSave(transformers.TrainerCallback):
