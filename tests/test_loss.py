@@ -182,8 +182,8 @@ def test_second_backward_fails_loudly():
 
 
 def test_default_chunk_rows_rule():
-    # logits chunk about the size of the hidden states, power of two, >= 128 rows, <= tokens
-    assert default_chunk_rows(4096, 512, 151_936) == 128
+    # logits chunk about the size of the hidden states, power of two, >= 256 rows, <= tokens
+    assert default_chunk_rows(4096, 512, 151_936) == 256
     assert default_chunk_rows(32_768, 4096, 151_936) == 1024
     assert default_chunk_rows(8192, 4096, 128_256) == 512
     assert default_chunk_rows(10, 4096, 1000) == 10
