@@ -192,3 +192,11 @@ def test_child_env_passes_only_the_ablation_switch(monkeypatch):
     assert "FASTTRAIN_DISABLE" not in runner._child_env(Contender("reference", "reference"))
     env = runner._child_env(Contender("fasttrain-no-loss", "fasttrain", "loss"))
     assert env["FASTTRAIN_DISABLE"] == "loss"
+
+
+def test_small_loss_differences_are_not_rounded_to_zero(results):
+    # fp32 parity leaves differences of ~1e-6: the table must show them, not 0.00e+00
+    results["fasttrain"][0]["losses"] = [4.0, 3.0 + 2.5e-6, 2.0, 1.0]
+    results["fasttrain"][1]["losses"] = [4.0, 3.0 + 2.5e-6, 2.0, 1.0]
+    text = report.text_table(CONFIG, _full(results))
+    assert "2.50e-06 / 8.33e-07" in text

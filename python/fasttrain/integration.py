@@ -198,7 +198,12 @@ def _optimizer_blocker(trainer: Any) -> str | None:
     if str(getattr(args.optim, "value", args.optim)) not in _ADAMW_OPTIMS:
         return f"optim={getattr(args.optim, 'value', args.optim)} is not an AdamW fasttrain replaces"
     if getattr(trainer, "is_deepspeed_enabled", False):
-        return "DeepSpeed builds its own optimizer"
+        from .optim.handler import is_deepspeed_optimizer_configured
+
+        if is_deepspeed_optimizer_configured(args):
+            return "the DeepSpeed config has its own optimizer section"
+        # ZeRO wraps the client optimizer around its flat fp32 partitions: not tested with FusedAdamW
+        return "DeepSpeed: the client optimizer stays torch's AdamW (FusedAdamW is untested under ZeRO)"
     return None
 
 

@@ -123,24 +123,17 @@ def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             diff.append("-")
         else:
             d = vs["loss_difference"]
-            diff.append(f"{_fmt(d['max_abs'], 2)} / {_fmt(d['max_rel'], 2)}".replace("n/a / n/a", "n/a"))
-        floor.append(_fmt(summary["loss_difference_between_repetitions"], 2))
-    # small loss differences are the point: show them in scientific notation
-    for cells in (diff, floor):
-        for i in range(1, len(cells)):
-            cells[i] = _sci(cells[i])
+            diff.append(f"{_sci(d['max_abs'])} / {_sci(d['max_rel'])}".replace("n/a / n/a", "n/a"))
+        floor.append(_sci(summary["loss_difference_between_repetitions"]))
     table += [diff, floor, ["hot paths", *[_hot_paths(s) for _, s in columns]]]
     return header, table
 
 
-def _sci(cell: str) -> str:
-    parts = []
-    for part in cell.split(" / "):
-        try:
-            parts.append(f"{float(part.replace(',', '')):.2e}")
-        except ValueError:
-            parts.append(part)
-    return " / ".join(parts)
+def _sci(value: Any) -> str:
+    """Small loss differences are the point: scientific notation, never rounded to zero first."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{float(value):.2e}"
 
 
 def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
