@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from fasttrain import FusedAdamW
+from fasttrain.bench.report import cpu_model
 
 
 def llama_like_shapes(vocab=32000, hidden=512, inter=1536, layers=10):
@@ -39,16 +40,6 @@ def llama_like_shapes(vocab=32000, hidden=512, inter=1536, layers=10):
         shapes += [(hidden, hidden)] * 4 + [(inter, hidden), (inter, hidden), (hidden, inter)] + [(hidden,)] * 2
     shapes.append((hidden,))
     return shapes
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def timed(fn) -> float:

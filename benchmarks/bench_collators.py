@@ -38,6 +38,7 @@ import transformers
 from transformers import PreTrainedTokenizerFast
 
 import fasttrain
+from fasttrain.bench.report import cpu_model
 from fasttrain.data import collators as ft
 
 PAD_ID = 0
@@ -100,16 +101,6 @@ def alternate(ref: Callable, ours: Callable, batches: list, calls: int) -> tuple
         ours(b)
         our_t.append(time.perf_counter() - t)
     return ref_t, our_t
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def cases(tok) -> list[tuple[str, str, object, object, bool]]:

@@ -40,6 +40,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler as RefSampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 import fasttrain
+from fasttrain.bench.report import cpu_model
 from fasttrain.data.sampler import LengthGroupedSampler, length_grouped_indices, randperm
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -71,16 +72,6 @@ def alternate(reference, ours, repeats: int) -> tuple[list[float], list[float]]:
         ref_times.append(timed(reference)[0])
         our_times.append(timed(ours)[0])
     return ref_times, our_times
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def summary(ref_times: list[float], our_times: list[float], items: int) -> dict:

@@ -28,7 +28,8 @@ class PlotUnavailable(RuntimeError):
     """``--plot`` without matplotlib."""
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name, for the provenance of every benchmark result."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
             for line in handle:
@@ -56,7 +57,7 @@ def environment(results: dict[str, Any]) -> dict[str, Any]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     env = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": cores,
         "memory_gib": round(_memory_gib() or 0.0, 1) or None,
         "platform": platform.platform(),
