@@ -135,3 +135,28 @@ def test_evaluation_with_logits_keeps_them(tmp_path):
     trainer.train()
     out = trainer.predict(tiny.dataset(n=6))
     assert out.predictions is not None and out.predictions.shape[-1] == tiny.VOCAB
+
+
+def test_model_init_and_gradient_checkpointing(tmp_path):
+    # model_init builds the model inside train(): the fused loss must wrap that model, not a stale one
+    common = dict(max_steps=3, gradient_checkpointing=True)
+    tok = tiny.tokenizer()
+    runs = []
+    for cls in (transformers.Trainer, fasttrain.Trainer):
+        trainer = cls(
+            model_init=lambda: tiny.model("llama"),
+            args=tiny.training_args(str(tmp_path / cls.__module__), **common),
+            train_dataset=tiny.dataset(),
+            data_collator=transformers.DataCollatorForSeq2Seq(tok, padding=True),
+            processing_class=tok,
+        )
+        trainer.train()
+        runs.append(trainer)
+    ref, ours = runs
+    assert ours.fasttrain_status["loss"] == "on", ours.fasttrain_status
+    from fasttrain.loss.model_patch import fused_loss_enabled
+
+    assert fused_loss_enabled(ours.model)
+    for a, b in zip(tiny.step_logs(ref), tiny.step_logs(ours), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=RTOL)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=RTOL)
