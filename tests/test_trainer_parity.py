@@ -107,7 +107,14 @@ def test_user_collate_function_is_kept(tmp_path):
     assert ours.fasttrain_status["collator"].startswith("off: ")
 
 
-def test_prediction_loss_only_evaluation_matches(tmp_path):
+def test_prediction_loss_only_evaluation_matches(tmp_path, monkeypatch):
+    from fasttrain.loss import model_patch
+
+    fused_calls = []
+    real = model_patch.fused_linear_cross_entropy
+    monkeypatch.setattr(
+        model_patch, "fused_linear_cross_entropy", lambda *a, **k: fused_calls.append(1) or real(*a, **k)
+    )
     tok = tiny.tokenizer()
     results = []
     for cls in (transformers.Trainer, fasttrain.Trainer):
@@ -120,6 +127,8 @@ def test_prediction_loss_only_evaluation_matches(tmp_path):
         )
         results.append(trainer.evaluate()["eval_loss"])
     assert results[1] == pytest.approx(results[0], rel=RTOL)
+    # 10 rows at eval batch size 8: both batches took the fused path, the first one included
+    assert len(fused_calls) == 2
 
 
 def test_evaluation_with_logits_keeps_them(tmp_path):

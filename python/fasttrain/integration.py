@@ -329,6 +329,8 @@ def compute_loss(original: Callable[..., Any], trainer: Any, model: Any, inputs:
 def prediction_step(original: Callable[..., Any], trainer: Any, model: Any, inputs: Any, prediction_loss_only: bool, *args: Any, **kwargs: Any):
     """In evaluation the logits are kept unless only the loss is wanted."""
     with _once(trainer, "prediction_step") as outer:
+        if outer:
+            ensure_fused_loss(trainer)  # an evaluation before any training decides here
         if not outer or status_of(trainer)["loss"] != "on":
             return original(model, inputs, prediction_loss_only, *args, **kwargs)
         from .loss.model_patch import set_eval_fused
