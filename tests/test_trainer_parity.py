@@ -169,3 +169,13 @@ def test_model_init_and_gradient_checkpointing(tmp_path):
     for a, b in zip(tiny.step_logs(ref), tiny.step_logs(ours), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=RTOL)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=RTOL)
+
+
+@pytest.mark.slow
+def test_torch_compile_keeps_working(tmp_path):
+    # torch.compile wraps the model; the fused loss is a compiler-disabled region inside the wrapped forward
+    ref = _train(transformers.Trainer, "llama", tmp_path, torch_compile=True, max_steps=2)
+    ours = _train(fasttrain.Trainer, "llama", tmp_path, torch_compile=True, max_steps=2)
+    assert ours.fasttrain_status["loss"] == "on", ours.fasttrain_status
+    for a, b in zip(tiny.step_logs(ref), tiny.step_logs(ours), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
