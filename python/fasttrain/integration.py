@@ -363,8 +363,6 @@ class HotPathReport(TrainerCallback):
             _set(trainer, "clip", "on" if fused is not None else f"off: {reason}")
         if status["sampler"] == "pending":
             _set(trainer, "sampler", "off: the Trainer built no length-grouped sampler")
-        if status["collator"] == "pending":
-            swap_collator(trainer)
         log_summary(trainer)
 
 
