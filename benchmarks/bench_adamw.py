@@ -2,7 +2,7 @@
 
 The reference is what the Trainer does by default (``optim="adamw_torch_fused"``, ``max_grad_norm=1``):
 ``torch.nn.utils.clip_grad_norm_`` (a norm pass, then a pass scaling every gradient) followed by
-``torch.optim.AdamW(fused=True).step()``. Ours is ``FusedAdamW.clip_grad_norm_`` + ``step()`` with
+``torch.optim.AdamW(fused=True).step()``. Ours is ``FusedAdamW.defer_clip_grad_norm_`` + ``step()`` with
 ``backend="auto"``, which on CPU is torch's fused AdamW kernel: the norm pass is the same; the scaling
 pass is gone: the coefficient reaches the step kernel as its ``grad_scale`` (1 / coef), and is skipped
 when exactly 1 (a CPU scalar costs nothing to read). Two regimes are measured: gradient norm below
@@ -73,7 +73,7 @@ def run_regime(shapes, target_norm: float, max_norm: float, reps: int, warmup: i
         ref.step()
 
     def our_clip_step():
-        ours.clip_grad_norm_(max_norm)
+        ours.defer_clip_grad_norm_(max_norm)
         ours.step()
 
     times = {"reference_clip_step": [], "fasttrain_clip_step": [], "reference_step": [], "fasttrain_step": []}
@@ -141,7 +141,7 @@ def main() -> None:
         "n_tensors": len(shapes),
         "reference": "torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW(fused=True)",
         "fasttrain": "FusedAdamW(backend='auto' -> torch fused kernel on CPU, clip coefficient as its grad_scale)"
-        ".clip_grad_norm_ + step",
+        ".defer_clip_grad_norm_ + step",
         "regimes": regimes,
     }
     out = Path(args.out)

@@ -57,7 +57,7 @@ def _train(kind: str, rank: int, steps: int, max_norm: float):
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         else:
-            norm = opt.clip_grad_norm_(max_norm)
+            norm = opt.defer_clip_grad_norm_(max_norm)
         norms.append(float(norm))
         opt.step()
         opt.zero_grad()

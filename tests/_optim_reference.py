@@ -42,7 +42,7 @@ def run_pair(ours, ref, params_ours, params_ref, steps=20, clip=None, lr_change_
     for step in range(steps):
         set_grads([params_ours, params_ref], step, scale=grad_scale)
         if clip is not None:
-            n_ours = ours.clip_grad_norm_(clip)
+            n_ours = ours.defer_clip_grad_norm_(clip)
             n_ref = torch.nn.utils.clip_grad_norm_(params_ref, clip)
             norms.append((n_ours, n_ref))
         ours.step()
@@ -86,7 +86,7 @@ def bf16_reference_run(ours, ours_p, ref_p, steps, clip):
     for step in range(steps):
         set_grads([ours_p, shadow], step)
         if clip is not None:
-            n_ours = ours.clip_grad_norm_(clip)
+            n_ours = ours.defer_clip_grad_norm_(clip)
             n_ref = torch.nn.utils.clip_grad_norm_(shadow, clip)
             assert n_ours.dtype == n_ref.dtype == torch.bfloat16
             torch.testing.assert_close(n_ours.float(), n_ref.float(), rtol=2**-7, atol=0)

@@ -5,7 +5,7 @@ parameters (gradients in the parameter dtype), it times per step (CUDA events, m
 alternating repetitions):
 
 - ``step``: ``torch.optim.AdamW(fused=True).step()`` vs ``FusedAdamW.step()``;
-- ``clip+step``: ``clip_grad_norm_`` + torch fused step vs ``FusedAdamW.clip_grad_norm_`` + ``step()``;
+- ``clip+step``: ``clip_grad_norm_`` + torch fused step vs ``FusedAdamW.defer_clip_grad_norm_`` + ``step()``;
 
 and the achieved bandwidth from the bytes each step must move (fp32: read p, g, m, v and write p, m, v
 = 28 B/parameter; bf16 parameters with our fp32 states: 22 B; torch's fused AdamW keeps bf16 states
@@ -136,7 +136,7 @@ def bench_model(name, shapes, dtype, device, timer, reps, warmup, smoke):
     def run_ours(opt, clip):
         def fn():
             if clip:
-                opt.clip_grad_norm_(1.0)
+                opt.defer_clip_grad_norm_(1.0)
             opt.step()
 
         return fn
@@ -225,7 +225,7 @@ def correctness(device, smoke):
         q.grad = p.grad.clone()
     ours = FusedAdamW(a, lr=1e-3, backend="triton")
     ref = torch.optim.AdamW(b, lr=1e-3)
-    n_ours = ours.clip_grad_norm_(1.0)
+    n_ours = ours.defer_clip_grad_norm_(1.0)
     n_ref = torch.nn.utils.clip_grad_norm_(b, 1.0)
     ours.step()
     ref.step()

@@ -230,7 +230,7 @@ def clip_grad_norm(original: Callable[..., Any], trainer: Any, model: Any) -> An
             _set(trainer, "clip", f"off: {reason}")
             return original(model)
         _set(trainer, "clip", "on")
-        return fused.clip_grad_norm_(trainer.args.max_grad_norm)
+        return fused.defer_clip_grad_norm_(trainer.args.max_grad_norm)
 
 
 def grad_norm(original: Callable[..., Any], trainer: Any, model: Any, grad_norm: Any = None) -> Any:
@@ -241,7 +241,7 @@ def grad_norm(original: Callable[..., Any], trainer: Any, model: Any, grad_norm:
         fused, _ = _fused_clip_target(trainer, model)
         if fused is None:
             return original(model, grad_norm=grad_norm)
-        return original(model, grad_norm=fused.clip_grad_norm_(float("inf")))
+        return original(model, grad_norm=fused.defer_clip_grad_norm_(float("inf")))
 
 
 def _fused_clip_target(trainer: Any, model: Any) -> tuple[Any, str]:

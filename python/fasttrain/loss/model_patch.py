@@ -54,6 +54,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "disable_fused_loss",
     "enable_fused_loss",
+    "fused_loss_calls",
     "fused_loss_enabled",
     "set_eval_fused",
 ]
@@ -87,6 +88,7 @@ class _FusedLossState:
     softcap: float | None
     active: bool = True
     eval_fused: bool = False
+    fused_calls: int = 0  # forwards that took the fused path: the evidence behind a status "on"
 
 
 _MISSING = object()
@@ -168,6 +170,7 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
     for name in _NOT_BACKBONE_ARGS:
         arguments.pop(name, None)
+    state.fused_calls += 1
     # the model's forward hands its **kwargs (num_items_in_batch, shift_labels, ...) to the backbone too
     outputs = getattr(self, self.base_model_prefix)(**arguments)
     hidden = outputs[0]  # [batch, seq, hidden]
@@ -206,8 +209,7 @@ def enable_fused_loss(model: nn.Module) -> str | None:
         return None
     reason = _unsupported_reason(target)
     if reason is not None:
-        log_once(f"fused-loss-unsupported:{type(target).__name__}", f"fasttrain fused loss off: {reason}")
-        return reason
+        return reason  # the caller reports it (once, in the status line)
     original = target.forward
     signature = inspect.signature(original)
     var_kwargs = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
@@ -255,6 +257,12 @@ def disable_fused_loss(model: nn.Module) -> None:
 def fused_loss_enabled(model: nn.Module) -> bool:
     state = _state(model)
     return state is not None and state.active
+
+
+def fused_loss_calls(model: nn.Module) -> int:
+    """How many forwards of this model took the fused path so far (0 when it is not enabled)."""
+    state = _state(model)
+    return 0 if state is None else state.fused_calls
 
 
 def set_eval_fused(model: nn.Module, enabled: bool) -> None:

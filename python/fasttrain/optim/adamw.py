@@ -78,7 +78,7 @@ class FusedAdamW(torch.optim.Optimizer):
             ``torch.optim.AdamW``; ``foreach``/``fused`` are ignored (this optimizer is fused),
             ``capturable=True`` and ``differentiable=True`` are refused.
 
-    ``clip_grad_norm_(max_norm)`` computes the global gradient norm and arms the clip coefficient for
+    ``defer_clip_grad_norm_(max_norm)`` computes the global gradient norm and arms the clip coefficient for
     the next ``step()``, which applies it inside the kernel: gradients are not rewritten.
 
     With ``torch.amp.GradScaler`` the scaler hands its scale and inf flag to ``step()``
@@ -122,7 +122,9 @@ class FusedAdamW(torch.optim.Optimizer):
             "backend": backend,
         }
         super().__init__(params, defaults)
-        self._clip_coef: torch.Tensor | None = None  # armed by clip_grad_norm_, consumed by step
+        self._clip_coef: torch.Tensor | None = None  # armed by defer_clip_grad_norm_, consumed by step
+        self.deferred_clips_applied = 0  # steps that applied a clip armed with a finite max_norm
+        self._clip_finite = False  # whether the armed coefficient came from a finite max_norm
         self._tables: dict[Any, Any] = {}  # launch tables keyed on the tensors' addresses
 
     # -- groups and state ------------------------------------------------------------------------
@@ -142,6 +144,8 @@ class FusedAdamW(torch.optim.Optimizer):
             for key in ("amsgrad", "maximize", "backend"):
                 group.setdefault(key, self.defaults[key])
         self.__dict__.setdefault("_clip_coef", None)
+        self.__dict__.setdefault("_clip_finite", False)
+        self.__dict__.setdefault("deferred_clips_applied", 0)
         self.__dict__.setdefault("_tables", {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -265,8 +269,9 @@ class FusedAdamW(torch.optim.Optimizer):
         return _clip.torch_per_tensor_norms(grads, norm_type)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """The total norm of all gradients (as ``torch.nn.utils.clip_grad_norm_`` returns it), clipping armed.
+    def defer_clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The total norm of all gradients (as ``torch.nn.utils.clip_grad_norm_`` returns it); the clip itself is
+        deferred to the next ``step()``: until then the gradients stay unclipped.
 
         Computes the norm in one multi-tensor pass (reduced over FSDP2/DTensor shards), and arms the
         coefficient ``min(1, max_norm / (norm + 1e-6))`` as a device scalar that the next ``step()``
@@ -284,6 +289,7 @@ class FusedAdamW(torch.optim.Optimizer):
             self._clip_coef = None
             return total
         self._clip_coef = _clip.clip_coefficient(total, max_norm).to(torch.float32)
+        self._clip_finite = math.isfinite(float(max_norm))
         return total
 
     def _uses_triton(self, group: dict[str, Any], p: torch.Tensor) -> bool:
@@ -304,6 +310,8 @@ class FusedAdamW(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
         found_inf = getattr(self, "found_inf", None)
         clip_coef, self._clip_coef = self._clip_coef, None
+        if clip_coef is not None and self._clip_finite:
+            self.deferred_clips_applied += 1
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
