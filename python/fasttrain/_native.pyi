@@ -56,12 +56,4 @@ def length_grouped_indices(
 ) -> npt.NDArray[np.int64]:
     """transformers' get_length_grouped_indices given the permutation torch.randperm(len(lengths))."""
 
-def distributed_rank_indices(
-    indices: npt.NDArray[np.int64], num_replicas: int, rank: int, drop_last: bool
-) -> npt.NDArray[np.int64]:
-    """The indices of `rank` out of one epoch's order (DistributedLengthGroupedSampler)."""
-
-def torch_randperm(n: int, state: npt.NDArray[np.uint8]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint8]]:
-    """torch.randperm(n, generator=g) from g.get_state(): the permutation and the state for g.set_state()."""
-
 # --- end sampler ---
