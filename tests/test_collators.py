@@ -80,7 +80,7 @@ def run_both(ours, ref, features, **kwargs):
     handovers = []
 
     def call_ours():
-        with mock.patch.object(ft, "_hand_over", lambda _c, why: handovers.append(str(why))):
+        with mock.patch.object(ft._rows, "hand_over", lambda _c, why: handovers.append(str(why))):
             return ours(clone(features), **kwargs)
 
     try:

@@ -44,7 +44,9 @@ def _resolve_lengths(dataset: Any, lengths: Any, model_input_name: str | None) -
     if lengths is None:
         if hasattr(dataset, "__len__") and len(dataset) == 0:
             # transformers reads dataset[0] first, which raises IndexError for an empty dataset.
-            raise IndexError("cannot infer lengths from an empty dataset (transformers' sampler raises this too)")
+            raise IndexError(
+                "cannot infer lengths from an empty dataset (transformers' sampler raises this too)"
+            )
         return lengths_from_dataset(dataset, model_input_name)
     array = as_length_array(lengths)
     if dataset is not None and hasattr(dataset, "__len__") and len(dataset) != len(array):
