@@ -22,7 +22,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import transformers
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from transformers.utils import PaddingStrategy
 
@@ -63,14 +63,16 @@ pad_ids = st.sampled_from([-100, 0, 7, -(2**63), 2**63 - 1, 2**63, -(2**63) - 1,
 
 def compare(ours, ref, features, **kwargs):
     """Both return the same batch, or both raise (ours a plain Exception, whatever the hand-overs)."""
+    handovers = []
+    quiet = mock.patch.object(ft._rows, "hand_over", lambda _c, why: handovers.append(why))
     try:
         expected = ref(clone(features), **kwargs)
     except Exception:
-        quiet = mock.patch.object(ft._rows, "hand_over", lambda *_: None)
         with quiet, pytest.raises(Exception):  # noqa: B017 - the contract is "catchable", any type
             ours(clone(features), **kwargs)
+        event("both raised" + (" (handed over)" if handovers else ""))
         return
-    with mock.patch.object(ft._rows, "hand_over", lambda *_: None):
+    with quiet:
         try:
             got = ours(clone(features), **kwargs)
         except ValueError as err:  # the one deliberate difference, see test_collators.run_both
@@ -79,8 +81,10 @@ def compare(ours, ref, features, **kwargs):
             assert reference_dropped_tokens(features, expected), (
                 f"ours raised where transformers did not: {err}"
             )
+            event("ours raised: transformers dropped tokens")
             return
     assert_same(got, expected)
+    event("same batch" + (" (handed over)" if handovers else " (native)"))
 
 
 def tokenizer(side: str):
@@ -136,6 +140,7 @@ def test_causal_lm_settings(examples, multiple, side, rt):
     if isinstance(examples[0], dict):
         compare(ours, ref, examples)
         return
+    event("bare sequences")
     if side != "right" and any(len(e) == 0 for e in examples):
         return  # transformers fails on an empty row padded on the left (result[i, -0:]); ours pads it
     try:
