@@ -139,7 +139,12 @@ def _physical_memory() -> int | None:
 
 def pad(rows: Rows, width: int, value: int, side: str, key: str, settings: str) -> np.ndarray:
     """``rows`` padded to ``[examples, width]`` with ``value`` on ``side``. ``settings`` (e.g.
-    ``"max_length=..., pad_to_multiple_of=..."``) names what chose the width, in a MemoryError."""
+    ``"max_length=..., pad_to_multiple_of=..."``) names what chose the width, in a MemoryError.
+
+    When no row needs padding the result is ``rows.values`` itself, reshaped: pad each ``Rows`` once.
+    """
+    if (rows.lengths == width).all():
+        return rows.values.reshape(len(rows.lengths), width)
     need = len(rows.lengths) * width * 8
     memory = _physical_memory()
     if memory is not None and need > memory:
@@ -153,9 +158,13 @@ def pad(rows: Rows, width: int, value: int, side: str, key: str, settings: str) 
         raise MemoryError(f"{err} ({settings})") from None
 
 
-def ones_like(rows: Rows) -> Rows:
-    """Rows of ones with the lengths of ``rows`` (an attention mask before padding)."""
-    return Rows(np.ones(len(rows.values), dtype=np.int64), rows.lengths)
+def mask(lengths: np.ndarray, width: int, side: str = "right") -> np.ndarray:
+    """int64 ``[examples, width]``: 1 on each row's tokens, 0 on its padding (an attention mask).
+    ``width`` was checked by ``pad`` for the same batch."""
+    columns = np.arange(width)
+    if side == "left":
+        return (columns >= (width - lengths)[:, None]).astype(np.int64)
+    return (columns < lengths[:, None]).astype(np.int64)
 
 
 def positions(rows: Rows, start: int = 0) -> np.ndarray:

@@ -150,9 +150,7 @@ def _pad(
     padded = {key: _rows.pad(rows[key], width, value(key), side, key, settings) for key in padded_keys}
     make_mask = return_attention_mask and "attention_mask" not in first
     if make_mask:
-        padded["attention_mask"] = _rows.pad(
-            _rows.ones_like(rows[main]), width, 0, side, "attention_mask", settings
-        )
+        padded["attention_mask"] = _rows.mask(lengths, width, side)
 
     # Keys tokenizer.pad does not pad go through transformers' own tensor conversion. It first
     # turns every value into Python objects when the main input is an array or tensor.

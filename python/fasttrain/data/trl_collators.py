@@ -111,7 +111,10 @@ class DataCollatorForLanguageModeling(trl_sft.DataCollatorForLanguageModeling):
         pad_id = _rows.int64_setting(self.pad_token_id, "pad_token_id")  # TRL's torch.full always uses it
 
         ids = read(ids_values, "input_ids")
-        labels = read(label_values, "labels")
+        if all(label is value for label, value in zip(label_values, ids_values, strict=True)):
+            labels = Rows(ids.values.copy(), ids.lengths)  # no labels: a copy of input_ids (TRL's default)
+        else:
+            labels = read(label_values, "labels")
         positions = None
         if want_positions:
             if seq_values is None:
@@ -132,9 +135,7 @@ class DataCollatorForLanguageModeling(trl_sft.DataCollatorForLanguageModeling):
             output["position_ids"] = _rows.pad(
                 Rows(positions, ids.lengths), width, 0, "right", "position_ids", settings
             )
-        output["attention_mask"] = _rows.pad(
-            _rows.ones_like(ids), width, 0, "right", "attention_mask", settings
-        )
+        output["attention_mask"] = _rows.mask(ids.lengths, width)
         return {k: torch.from_numpy(v) for k, v in output.items()}
 
     @staticmethod
@@ -179,25 +180,6 @@ class DataCollatorForLanguageModeling(trl_sft.DataCollatorForLanguageModeling):
         }
 
 
-def _concat(head: Rows, tail: Rows) -> Rows:
-    """Row ``i`` of ``head`` followed by row ``i`` of ``tail``, for every ``i``."""
-    lengths = head.lengths + tail.lengths
-    values = np.empty(int(lengths.sum()), dtype=np.int64)
-    starts = np.cumsum(lengths) - lengths
-    for part, offset in ((head, starts), (tail, starts + head.lengths)):
-        values[_rows.positions(part) + np.repeat(offset, part.lengths)] = part.values
-    return Rows(values, lengths)
-
-
-def _slice(rows: Rows, bounds: slice) -> Rows:
-    """``row[bounds]`` for every row, with Python's slice semantics (negative and zero bounds included)."""
-    spans = np.array([bounds.indices(n)[:2] for n in rows.lengths.tolist()], dtype=np.int64).reshape(-1, 2)
-    lengths = np.maximum(spans[:, 1] - spans[:, 0], 0)
-    cut = Rows(np.empty(0, dtype=np.int64), lengths)
-    index = _rows.positions(cut) + np.repeat(rows.starts + spans[:, 0], lengths)
-    return Rows(rows.values[index], lengths)
-
-
 class DataCollatorForPreference(trl_dpo.DataCollatorForPreference):
     """TRL's DPO ``DataCollatorForPreference``, built in Rust (same arguments and outputs)."""
 
@@ -229,37 +211,49 @@ class DataCollatorForPreference(trl_dpo.DataCollatorForPreference):
                 bounds = slice(-self.max_length, None)
             else:
                 raise HandOver(f"truncation_mode={self.truncation_mode!r} (TRL raises its own error)")
-            first = (values["prompt_ids"][0] + values["chosen_ids"][0])[bounds]
-        else:
-            first = values["prompt_ids"][0] + values["chosen_ids"][0]
+        first = (values["prompt_ids"][0] + values["chosen_ids"][0])[bounds or slice(None)]
         if not first or type(first[0]) is not int:
             raise HandOver("the first row is empty or does not start with an int (TRL keeps its dtype)")
         pad_id = _rows.int64_setting(self.pad_token_id, "pad_token_id")  # TRL's torch.full always uses it
-
-        prompt, chosen, rejected = (read(values[key], key) for key in keys)
-        zeros = Rows(np.zeros_like(prompt.values), prompt.lengths)
-        rows, completion = [], []
-        for answer in (chosen, rejected):
-            joined = _concat(prompt, answer)
-            mask = _concat(zeros, _rows.ones_like(answer))
-            if bounds is not None:
-                joined, mask = _slice(joined, bounds), _slice(mask, bounds)
-            rows.append(joined)
-            completion.append(mask)
-        both = Rows(np.concatenate([r.values for r in rows]), np.concatenate([r.lengths for r in rows]))
-        masks = Rows(np.concatenate([m.values for m in completion]), both.lengths)
-        width = _width(both, self.pad_to_multiple_of)
+        rows, starts = self._rows(values, bounds)
+        width = _width(rows, self.pad_to_multiple_of)
         settings = f"max_length={self.max_length}, pad_to_multiple_of={self.pad_to_multiple_of}"
+        input_ids = _rows.pad(rows, width, pad_id, "right", "input_ids", settings)
+        # The masks from each row's length, its start in prompt + answer (keep_end cuts the head) and its
+        # prompt's length: a token is a completion token when it lies past the prompt.
+        prompt_lengths = np.array([len(p) for p in values["prompt_ids"]] * 2, dtype=np.int64)
+        columns = np.arange(width)
+        attention = columns < rows.lengths[:, None]
+        completion = attention & (columns + starts[:, None] >= prompt_lengths[:, None])
         output = {
-            "input_ids": _rows.pad(both, width, pad_id, "right", "input_ids", settings),
-            "attention_mask": _rows.pad(_rows.ones_like(both), width, 0, "right", "attention_mask", settings),
-            "completion_mask": _rows.pad(masks, width, 0, "right", "completion_mask", settings),
+            "input_ids": input_ids,
+            "attention_mask": attention.astype(np.int64),
+            "completion_mask": completion.astype(np.int64),
         }
         output = {k: torch.from_numpy(v) for k, v in output.items()}
         for key in ("ref_chosen_logps", "ref_rejected_logps"):
             if key in examples[0]:  # TRL's own conversion: floats stay whatever torch.tensor makes them
                 output[key] = torch.tensor(column(examples, key))
         return output
+
+    @staticmethod
+    def _rows(values: dict[str, list], bounds: slice | None) -> tuple[Rows, np.ndarray]:
+        """prompt + chosen rows then prompt + rejected rows, truncated by Python's own list operations (TRL's),
+        read in Rust; and where each kept row starts in its untruncated row."""
+        prompts = values["prompt_ids"]
+        joined = [
+            p + a for key in ("chosen_ids", "rejected_ids") for p, a in zip(prompts, values[key], strict=True)
+        ]
+        starts = np.zeros(len(joined), dtype=np.int64)
+        if bounds is not None:
+            starts[:] = [bounds.indices(len(row))[0] for row in joined]
+            joined = [row[bounds] for row in joined]
+        try:
+            return read(joined, "input_ids", list(range(len(prompts))) * 2), starts
+        except (TypeError, ValueError):
+            for key in ("prompt_ids", "chosen_ids", "rejected_ids"):
+                read(values[key], key)  # the same error, naming the key it came from
+            raise
 
 
 EQUIVALENTS: dict[type, type] = {
