@@ -98,7 +98,7 @@ class LengthGroupedSampler(Sampler):
         self.batch_size = _positive_int(batch_size, "batch_size")
         self.lengths = _resolve_lengths(dataset, lengths, model_input_name)
         self.generator = generator
-        self.iterations_started = 0
+        self.iterations_started = 0  # evidence for fasttrain's status that this sampler ran
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -152,7 +152,7 @@ class DistributedLengthGroupedSampler(DistributedSampler):
         self.drop_last = bool(drop_last)
         self.seed = seed
         self.lengths = _resolve_lengths(dataset, lengths, model_input_name)
-        self.iterations_started = 0
+        self.iterations_started = 0  # evidence for fasttrain's status that this sampler ran
 
         n = len(self.lengths)
         if self.drop_last and n % self.num_replicas != 0:
