@@ -22,6 +22,10 @@ from hypothesis import strategies as st
 trl_sft = pytest.importorskip("trl.trainer.sft_trainer")
 trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
 
+import trl  # noqa: E402
+
+import _tiny as tiny  # noqa: E402
+import fasttrain  # noqa: E402
 from fasttrain.data import _rows  # noqa: E402
 from fasttrain.data import collators as ft  # noqa: E402
 from fasttrain.data import trl_collators as ours_trl  # noqa: E402
@@ -283,3 +287,69 @@ def test_import_fasttrain_does_not_import_trl():
         "assert 'trl' not in sys.modules, sorted(m for m in sys.modules if m.startswith('trl'))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"padding_free": True, "max_length": None}, {"packing": True}, {"completion_only_loss": True}],
+    ids=["padded", "padding-free", "packed", "completion-only"],
+)
+def test_sft_trainer_under_patch_collates_natively(tmp_path, extra):
+    """Under patch(), SFTTrainer's own collator becomes ours, with its settings, and on examples of the
+    trainer's prepared dataset (what its data loader feeds the collator) it is byte-identical to TRL's."""
+    dataset = tiny.text_dataset()
+    columns = ["prompt", "completion"] if extra.get("completion_only_loss") else ["text"]
+    if columns == ["prompt", "completion"]:
+        dataset = dataset.rename_column("chosen", "completion")
+    config = trl.SFTConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        **{"max_length": 32, **extra},
+    )
+    fasttrain.patch()
+    try:
+        trainer = trl.SFTTrainer(
+            model=tiny.model("llama"),
+            args=config,
+            train_dataset=dataset.select_columns(columns),
+            processing_class=tiny.tokenizer(),
+        )
+    finally:
+        fasttrain.unpatch()
+    assert type(trainer.data_collator) is ours_trl.DataCollatorForLanguageModeling
+    reference = trl_sft.DataCollatorForLanguageModeling(**vars(trainer.data_collator))
+    examples = [trainer.train_dataset[i] for i in range(4)]
+    examples = [{k: v for k, v in e.items() if k in ("input_ids", "labels", "seq_lengths")} for e in examples]
+    if extra.get("packing"):  # TRL packs best-fit, padding-free, with the document lengths
+        assert trainer.data_collator.padding_free and all(len(e["seq_lengths"]) for e in examples)
+    assert_same(trainer.data_collator(copy(examples)), reference(copy(examples)))
+
+
+def test_dpo_trainer_under_patch_collates_natively(tmp_path):
+    config = trl.DPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        max_length=12,
+        disable_tqdm=True,
+    )
+    fasttrain.patch()
+    try:
+        trainer = trl.DPOTrainer(
+            model=tiny.model("llama"),
+            ref_model=tiny.model("llama"),
+            args=config,
+            train_dataset=tiny.text_dataset().select_columns(["prompt", "chosen", "rejected"]),
+            processing_class=tiny.tokenizer(),
+        )
+    finally:
+        fasttrain.unpatch()
+    assert type(trainer.data_collator) is ours_trl.DataCollatorForPreference
+    reference = trl_dpo.DataCollatorForPreference(**vars(trainer.data_collator))
+    keys = ("prompt_ids", "chosen_ids", "rejected_ids")
+    examples = [{k: trainer.train_dataset[i][k] for k in keys} for i in range(4)]
+    assert_same(trainer.data_collator(copy(examples)), reference(copy(examples)))
