@@ -353,3 +353,29 @@ def test_dpo_trainer_under_patch_collates_natively(tmp_path):
     keys = ("prompt_ids", "chosen_ids", "rejected_ids")
     examples = [{k: trainer.train_dataset[i][k] for k in keys} for i in range(4)]
     assert_same(trainer.data_collator(copy(examples)), reference(copy(examples)))
+
+
+def test_a_trl_that_makes_other_batches_keeps_its_collators(monkeypatch, caplog):
+    """native_equivalent checks once that this TRL's collators still make our batches; when one does not
+    (a TRL release changed it), TRL's collators are kept and the log says why."""
+    from fasttrain import _logging
+
+    monkeypatch.setattr(_logging, "_said", set())
+    ours_trl.agrees_with_trl.cache_clear()
+    assert ours_trl.agrees_with_trl()
+    original = trl_dpo.DataCollatorForPreference.torch_call
+
+    def changed(self, examples):
+        batch = original(self, examples)
+        batch["input_ids"] = batch["input_ids"] + 1
+        return batch
+
+    monkeypatch.setattr(trl_dpo.DataCollatorForPreference, "torch_call", changed)
+    ours_trl.agrees_with_trl.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="fasttrain"):
+            sft = trl_sft.DataCollatorForLanguageModeling(pad_token_id=0)
+            assert ft.native_equivalent(sft) is None
+        assert "makes other batches than fasttrain's equivalent" in caplog.text
+    finally:
+        ours_trl.agrees_with_trl.cache_clear()

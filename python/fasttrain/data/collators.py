@@ -38,6 +38,7 @@ from transformers.tokenization_utils_base import BatchEncoding, PreTrainedTokeni
 from transformers.utils import PaddingStrategy
 from transformers.utils.generic import to_py_obj
 
+from .._logging import log_once
 from . import _rows
 from ._rows import HandOver, Rows, column, read, round_up
 
@@ -457,10 +458,16 @@ def _qualified(obj: Any) -> str:
 
 
 def _trl_equivalents() -> dict[type, type]:
-    """TRL's collators and ours; TRL is imported only once one of its objects exists."""
-    from . import trl_collators
-
-    return trl_collators.EQUIVALENTS
+    """TRL's collators and ours; TRL is imported only once one of its objects exists. Empty when this TRL has
+    other collators, or ones that make other batches than ours (checked once, logged)."""
+    try:
+        from . import trl_collators
+    except (ImportError, AttributeError) as err:
+        log_once(
+            "trl-collators-import", f"fasttrain: TRL's collators are kept (this TRL does not fit: {err})"
+        )
+        return {}
+    return trl_collators.EQUIVALENTS if trl_collators.agrees_with_trl() else {}
 
 
 def _equivalents_for(cls: type) -> dict[type, type]:

@@ -12,7 +12,9 @@
 Both return the same keys in the same order, dtypes and values as TRL's classes, with TRL's arithmetic for the
 settings (Python slices for the truncation, TRL's ``pad`` rounding). This module imports TRL, so it is only
 imported once a TRL collator exists (``native_equivalent`` does that) or by a user who names it: TRL is never a
-dependency of ``import fasttrain``.
+dependency of ``import fasttrain``. Written against TRL 1.16: ``native_equivalent`` first checks once per process
+that the installed TRL's collators still make the same batches on a few probes (``agrees_with_trl``), and keeps
+TRL's own otherwise (logged).
 
 Handed to TRL's own code (logged once): batches whose first row TRL would turn into a non-int64 tensor (an
 empty row is float32 to ``torch.tensor``; int32 arrays stay int32), padding-free batches with any such row
@@ -24,18 +26,22 @@ than ``input_ids`` in a padding-free batch).
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
+import trl
 from trl.trainer import dpo_trainer as trl_dpo
 from trl.trainer import sft_trainer as trl_sft
 
+from .._logging import log_once
 from . import _rows
 from ._rows import HandOver, Rows, column, read, round_up
 
-__all__ = ["EQUIVALENTS", "DataCollatorForLanguageModeling", "DataCollatorForPreference"]
+__all__ = ["EQUIVALENTS", "DataCollatorForLanguageModeling", "DataCollatorForPreference", "agrees_with_trl"]
 
 
 def _int64_row(value: Any) -> bool:
@@ -260,3 +266,60 @@ EQUIVALENTS: dict[type, type] = {
     trl_sft.DataCollatorForLanguageModeling: DataCollatorForLanguageModeling,
     trl_dpo.DataCollatorForPreference: DataCollatorForPreference,
 }
+
+# A few batches that exercise every setting, to check at first use that this TRL's collators still make what
+# ours make (written against TRL 1.16; another release may change them).
+_PROBES = [
+    (
+        trl_sft.DataCollatorForLanguageModeling,
+        dict(
+            pad_token_id=0, padding_free=padding_free, return_position_ids=True, pad_to_multiple_of=multiple
+        ),
+        [
+            {
+                "input_ids": [1, 2, 3, 4],
+                "labels": [-100, 2, 3, 4],
+                "seq_lengths": [3, 1],
+                "completion_mask": [1] * 4,
+            },
+            {"input_ids": [5, 6], "labels": [-100, 6], "seq_lengths": [2], "completion_mask": [1, 1]},
+        ],
+    )
+    for padding_free in (False, True)
+    for multiple in (None, 4)
+] + [
+    (
+        trl_dpo.DataCollatorForPreference,
+        dict(pad_token_id=0, max_length=max_length, truncation_mode=mode, pad_to_multiple_of=3),
+        [
+            {"prompt_ids": [1, 2, 3], "chosen_ids": [4, 5], "rejected_ids": [6], "ref_chosen_logps": -1.5},
+            {"prompt_ids": [7], "chosen_ids": [8, 9, 10], "rejected_ids": [11, 12], "ref_chosen_logps": -2.0},
+        ],
+    )
+    for max_length, mode in ((None, "keep_start"), (3, "keep_start"), (3, "keep_end"))
+]
+
+
+@functools.cache
+def agrees_with_trl() -> bool:
+    """Once per process: ours and this TRL's collators give the same batches on ``_PROBES``."""
+    for theirs_cls, kwargs, examples in _PROBES:
+        what = theirs_cls.__name__
+        try:
+            got = EQUIVALENTS[theirs_cls](**kwargs)(copy.deepcopy(examples))
+            expected = theirs_cls(**kwargs)(copy.deepcopy(examples))
+            same = list(got) == list(expected) and all(
+                type(got[k]) is type(v)
+                and (torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v)
+                for k, v in expected.items()
+            )
+        except Exception as err:  # any failure means: keep TRL's collator
+            same, what = False, f"{what} ({err})"
+        if not same:
+            log_once(
+                "trl-collators-disagree",
+                f"fasttrain: TRL {trl.__version__}'s {what} makes other batches than fasttrain's equivalent "
+                "(written against TRL 1.16): TRL's collators are kept",
+            )
+            return False
+    return True
