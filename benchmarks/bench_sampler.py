@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import os
 import platform
@@ -75,9 +76,15 @@ def numpy_grouped_indices(lengths: np.ndarray, batch_size: int, generator: torch
 
 
 def timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
+    """Wall time of one call, the garbage collector run before and off during it (as timeit does)."""
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        result = fn()
+        return time.perf_counter() - start, result
+    finally:
+        gc.enable()
 
 
 def alternate(reference, ours, repeats: int) -> tuple[list[float], list[float]]:
@@ -155,7 +162,8 @@ def main() -> None:
     ref_epoch, our_epoch = alternate(lambda: list(ref), lambda: list(ours), args.repeats)
     g_numpy, g_ours = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
     assert np.array_equal(
-        numpy_grouped_indices(ours.lengths, bs, g_numpy), length_grouped_indices(ours.lengths, bs, generator=g_ours)
+        numpy_grouped_indices(ours.lengths, bs, g_numpy),
+        length_grouped_indices(ours.lengths, bs, generator=g_ours),
     ), "the numpy form differs"
     numpy_indices, our_indices_again = alternate(
         lambda: numpy_grouped_indices(ours.lengths, bs, g_numpy),
@@ -229,7 +237,7 @@ Command: `{r["command"]}`
 
 A `datasets.Dataset` of {c["rows"]:,} rows, list column `input_ids` with lengths uniform in
 [{c["length_range"][0]}, {c["length_range"][1]}] (mean {c["mean_length"]:.1f}), no `length` column; batch size {c["batch_size"]}.
-Reference and fasttrain alternate; medians of {c["startup_repeats"]} (start-up) and {c["repeats"]} (indices) runs.
+Reference and fasttrain alternate (garbage collector run before and off during each timed call); medians of {c["startup_repeats"]} (start-up) and {c["repeats"]} (indices) runs.
 Both sides give the same lengths and the same index order (checked before timing).{subset}
 
 | measurement | transformers | fasttrain | speed-up |
