@@ -55,15 +55,15 @@ def column(features: Sequence[Any], key: str, indices: Sequence[int] | None = No
     """``[f[key] for f in features]`` with a KeyError (or TypeError) that names the example."""
     try:
         return [f[key] for f in features]
-    except (KeyError, TypeError, IndexError):
-        pass
+    except (KeyError, TypeError, IndexError) as err:
+        failure = err
     for i, f in enumerate(features):
         where = i if indices is None else indices[i]
         if not isinstance(f, Mapping):
             raise TypeError(f"example {where} is a {type(f).__name__}, expected a mapping (dict) of features")
         if key not in f:
             raise KeyError(f"example {where} has no key '{key}'")
-    raise AssertionError("unreachable: the lookup failed but every example has the key")
+    raise failure  # a mapping that has the key and still failed to give it: its own error
 
 
 def as_example_list(features: Any) -> list:
