@@ -1,8 +1,5 @@
-"""fasttrain's optimizer: ``FusedAdamW`` (Triton multi-tensor AdamW with fused gradient clipping).
-
-``fasttrain.optim.handler`` holds the Trainer hook (``install_optimizer_handlers`` / ``uninstall_...``);
-it is not imported here so that ``import fasttrain.optim`` does not import transformers.
-"""
+"""fasttrain's optimizer: ``FusedAdamW`` (fused AdamW with fused gradient clipping; moments in the parameter's
+dtype, fp32 or blockwise 8-bit; optional stochastic rounding of bf16 parameters)."""
 
 from .adamw import FusedAdamW
 
