@@ -49,6 +49,15 @@ from ._tensors import group_by, local
 
 # our group keys: the constructor's values win over a loaded state dict's (state_dtype and min_8bit_size must agree)
 _OWN_KEYS = ("backend", "state_dtype", "min_8bit_size", "bf16_stochastic_rounding", "sr_seed")
+# torch.optim.AdamW(fused=True)'s group keys, in our groups too: torch's AdamW loading our state dict runs its
+# fused kernel (our math), not its foreach default
+_TORCH_KEYS = {
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": True,
+    "decoupled_weight_decay": True,
+}
 
 
 def _kernels():
@@ -158,6 +167,7 @@ class FusedAdamW(torch.optim.Optimizer):
             "bf16_stochastic_rounding": bool(bf16_stochastic_rounding),
             "min_8bit_size": min_8bit_size,
             "sr_seed": sr_seed,
+            **_TORCH_KEYS,
         }
         _check_hyperparameters(dict(defaults), "FusedAdamW")
         defaults["state_dtype"] = _state.normalize_state_dtype(state_dtype, "FusedAdamW")
