@@ -280,10 +280,10 @@ def _settle_after_first_step(seam: _Seam, optimizer: torch.optim.Optimizer) -> N
 # FusedAdamW options a user can set without touching the script: `--optim_args "state_dtype=8bit"` (or
 # TrainingArguments(optim_args=...)), or FASTTRAIN_OPTIM_ARGS in the environment (optim_args wins).
 _OPTION_PARSERS: dict[str, Callable[[str], Any]] = {
-    "state_dtype": lambda v: {"none": None, "param": None, "float32": torch.float32, "fp32": torch.float32}.get(
-        v.lower(), v
-    ),
+    "state_dtype": str,  # None/"param" (the reference), "float32", "8bit": FusedAdamW checks the value
     "bf16_stochastic_rounding": lambda v: _parse_bool(v),
+    "min_8bit_size": int,
+    "sr_seed": int,
     "amsgrad": lambda v: _parse_bool(v),
     "maximize": lambda v: _parse_bool(v),
     "backend": str,
