@@ -51,8 +51,14 @@ def _bench(path: Path) -> str:
     return "; ".join(parts)
 
 
+def _last_line(path: Path) -> str:
+    lines = path.read_text().strip().splitlines()
+    return lines[-1] if lines else ""
+
+
 # step -> (result file, reader); the first file that exists is read
 HEADLINES = {
+    "install": [("logs/install.log", _last_line)],
     "kernels": [("kernels.xml", _junit)],
     "parity": [("parity_gpu.json", _parity), ("parity_gpu_smoke.json", _parity)],
     "e2e": [("bench_e2e_gpu.json", _bench), ("bench_e2e_gpu_smoke.json", _bench)],
