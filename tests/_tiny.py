@@ -106,3 +106,20 @@ def text_dataset(n: int = 24, seed: int = 0):
         rows["chosen"].append(words(rng.randint(2, 8)))
         rows["rejected"].append(words(rng.randint(2, 8)))
     return datasets.Dataset.from_dict(rows)
+
+
+def assert_same_updates(ours: torch.nn.Module, ref: torch.nn.Module, init: torch.nn.Module, rtol: float) -> None:
+    """Each parameter of ``ours`` equals ``ref``'s to ``rtol`` of the change training made to it.
+
+    Adam normalises every update, so a rounding-level gradient difference on a near-zero gradient becomes an
+    update-sized difference in that one element: compare whole tensors, as the norm of the difference relative
+    to the norm of the update (a wrong learning rate, clip or gradient shows up as a ratio near 1)."""
+    start = dict(init.named_parameters())
+    expected = dict(ref.named_parameters())
+    off = []
+    for name, p in ours.named_parameters():
+        update = (expected[name] - start[name]).detach().float().norm()
+        diff = (p - expected[name]).detach().float().norm()
+        if diff > rtol * update or (update == 0 and diff > 0):
+            off.append(f"{name}: |ours - ref| = {diff:.3e}, |update| = {update:.3e}, ratio {diff / update:.2e}")
+    assert not off, f"parameters off by more than {rtol} of their update:\n" + "\n".join(off)

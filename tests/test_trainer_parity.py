@@ -8,7 +8,6 @@ labels and group_by_length included); the final weights within the same toleranc
 from __future__ import annotations
 
 import pytest
-import torch
 import transformers
 
 import _tiny as tiny
@@ -16,6 +15,7 @@ import fasttrain
 from fasttrain.hot_paths import HotPaths
 
 RTOL = 1e-5
+UPDATE_RTOL = 1e-4  # measured ~1e-6: the fused loss sums its chunks in another order
 
 
 def _train(trainer_cls, kind: str, tmp_path, collator=None, hot_paths=None, **arg_overrides):
@@ -34,15 +34,13 @@ def _train(trainer_cls, kind: str, tmp_path, collator=None, hot_paths=None, **ar
     return trainer
 
 
-def _compare(ref, ours, rtol=RTOL):
+def _compare(ref, ours, kind="llama", rtol=RTOL, update_rtol=UPDATE_RTOL):
     ref_logs, our_logs = tiny.step_logs(ref), tiny.step_logs(ours)
     assert len(ref_logs) == len(our_logs) == ref.args.max_steps
     for step, (a, b) in enumerate(zip(ref_logs, our_logs, strict=True), start=1):
         assert b["loss"] == pytest.approx(a["loss"], rel=rtol), f"loss differs at step {step}"
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rtol), f"grad_norm differs at step {step}"
-    ref_params = dict(ref.model.named_parameters())
-    for name, p in ours.model.named_parameters():
-        torch.testing.assert_close(p, ref_params[name], rtol=rtol, atol=1e-6, msg=f"parameter {name}")
+    tiny.assert_same_updates(ours.model, ref.model, tiny.model(kind), update_rtol)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -50,7 +48,7 @@ def test_fp32_parity_every_step(kind, tmp_path):
     common = dict(train_sampling_strategy="group_by_length")
     ref = _train(transformers.Trainer, kind, tmp_path, **common)
     ours = _train(fasttrain.Trainer, kind, tmp_path, **common)
-    _compare(ref, ours)
+    _compare(ref, ours, kind)
     status = ours.fasttrain_status
     assert status["collator"] == "on", status
     assert status["sampler"] == "on", status
@@ -64,14 +62,15 @@ def test_no_clipping_and_random_sampler(tmp_path):
     ref = _train(transformers.Trainer, "llama", tmp_path, **common)
     ours = _train(fasttrain.Trainer, "llama", tmp_path, **common)
     _compare(ref, ours)
-    assert ours.fasttrain_status["sampler"].startswith("off")
+    assert ours.fasttrain_status["sampler"] == "off: group_by_length is not set"
+    assert ours.fasttrain_status["clip"] == "off: max_grad_norm=0.0: no clipping"
 
 
 def test_every_hot_path_switched_off_is_the_reference(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTTRAIN_DISABLE", "all")
     ref = _train(transformers.Trainer, "llama", tmp_path)
     ours = _train(fasttrain.Trainer, "llama", tmp_path)
-    _compare(ref, ours, rtol=0)
+    _compare(ref, ours, rtol=0, update_rtol=0)
     assert all(v == "off: switched off" for v in ours.fasttrain_status.values()), ours.fasttrain_status
 
 
