@@ -96,12 +96,14 @@ def test_a_callback_reading_gradients_sees_them_clipped_as_under_transformers(tm
     assert ours.norms == pytest.approx(ref.norms, rel=1e-5)
     assert trainer.fasttrain_status["clip"] == (
         "off: callback _GradNormProbe.on_pre_optimizer_step reads gradients between the clip and the step"
+        if tiny.FUSED_CLIP else tiny.all_on_status()["clip"]
     )
     assert trainer.fasttrain_status["optimizer"] == "on"
     status_lines = [r for r in caplog.records if "fasttrain hot paths" in r.getMessage()]
     assert len(status_lines) == 1 and status_lines[0].levelno == logging.WARNING
 
 
+@pytest.mark.skipif(not tiny.FUSED_CLIP, reason="this transformers has no Trainer._clip_grad_norm at all")
 def test_a_transformers_whose_private_clip_hook_changed_keeps_its_clip(tmp_path, monkeypatch):
     # another transformers: the private method the fused clip hooks has another signature
     clip_calls = []
@@ -137,7 +139,9 @@ def test_optimizer_blockers(tmp_path):
     trainer = _trainer(tmp_path / "sgd", optim="sgd")
     trainer.train()
     assert trainer.fasttrain_status["optimizer"] == "off: optim=sgd is not an AdamW fasttrain replaces"
-    assert trainer.fasttrain_status["clip"] == "off: the optimizer is not fasttrain's FusedAdamW"
+    assert trainer.fasttrain_status["clip"] in (
+        "off: the optimizer is not fasttrain's FusedAdamW", tiny.all_on_status()["clip"]
+    )
     assert type(trainer.optimizer.optimizer) is torch.optim.SGD
 
     tok = tiny.tokenizer()
@@ -171,10 +175,13 @@ def test_optim_args_reach_fused_adamw(tmp_path, monkeypatch):
     assert trainer.optimizer.optimizer.param_groups[0]["amsgrad"] is True
 
 
-def test_status_line_is_info_when_nothing_fell_back(tmp_path, caplog):
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.5])
+def test_status_line_is_info_when_nothing_fell_back(tmp_path, caplog, max_grad_norm):
     # no grouping asked: the sampler is off, but nothing the user wanted fell back
+    if max_grad_norm and not tiny.FUSED_CLIP:
+        pytest.skip("the clip falls back on this transformers: a WARNING is right")
     with caplog.at_level(logging.INFO, logger="fasttrain"):
-        _trainer(tmp_path).train()
+        _trainer(tmp_path, max_grad_norm=max_grad_norm).train()
     lines = [r for r in caplog.records if r.name == "fasttrain"]
     assert [r.levelno for r in lines] == [logging.INFO], [r.getMessage() for r in lines]
     assert "sampler=off: group_by_length is not set" in lines[0].getMessage()
@@ -209,5 +216,5 @@ def test_switched_off_paths_are_not_fallbacks(tmp_path, caplog):
             hot_paths=HotPaths(optimizer=False),
         )
         trainer.train()
-    assert trainer.fasttrain_status["clip"] == "off: the optimizer is not fasttrain's FusedAdamW"
+    assert trainer.fasttrain_status["clip"] == "off: the optimizer hot path is switched off"
     assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "fasttrain")

@@ -60,12 +60,11 @@ class _Seam:
 
     def off(self, name: str, reason: str, fallback: bool = True) -> None:
         """Record why ``name`` does not run; ``fallback`` when the user asked for it and it could apply."""
-        value = f"off: {reason}"
         if getattr(self.paths, name) and fallback:
-            if name not in self.fallbacks and self.logged:  # a fallback decided after the status line
+            if self.logged:  # decided after the status line: say it now
                 log_once(f"fallback:{name}:{reason}", f"fasttrain: the {name} hot path falls back ({reason})")
             self.fallbacks.add(name)
-        self.status[name] = value
+        self.status[name] = f"off: {reason}"
 
 
 def seam_of(trainer: Any) -> _Seam:
@@ -281,10 +280,10 @@ def _settle_after_first_step(seam: _Seam, optimizer: torch.optim.Optimizer) -> N
 # FusedAdamW options a user can set without touching the script: `--optim_args "state_dtype=8bit"` (or
 # TrainingArguments(optim_args=...)), or FASTTRAIN_OPTIM_ARGS in the environment (optim_args wins).
 _OPTION_PARSERS: dict[str, Callable[[str], Any]] = {
-    "state_dtype": lambda v: {"none": None, "param": None, "float32": torch.float32, "fp32": torch.float32}.get(
-        v.lower(), v
-    ),
+    "state_dtype": str,  # None/"param" (the reference), "float32", "8bit": FusedAdamW checks the value
     "bf16_stochastic_rounding": lambda v: _parse_bool(v),
+    "min_8bit_size": int,
+    "sr_seed": int,
     "amsgrad": lambda v: _parse_bool(v),
     "maximize": lambda v: _parse_bool(v),
     "backend": str,
@@ -337,13 +336,17 @@ def fused_adamw_options(args: Any) -> dict[str, Any]:
 
 
 def _arm_clip(trainer: Any, seam: _Seam) -> None:
+    clipping = bool(trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0)
+    if not seam.paths.optimizer:
+        seam.off("clip", "the optimizer hot path is switched off", fallback=False)
+        return
     problem = _private_hook_problem(trainer, "_clip_grad_norm", ("model",)) or _private_hook_problem(
         trainer, "_get_grad_norm", ("model", "grad_norm")
     )
     if problem is not None:
-        seam.off("clip", problem)
+        seam.off("clip", problem, fallback=clipping)
         return
-    if not trainer.args.max_grad_norm or trainer.args.max_grad_norm <= 0:
+    if not clipping:
         # no clipping asked: the norm the Trainer logs still comes from the one-pass kernel (_get_grad_norm)
         seam.off("clip", f"max_grad_norm={trainer.args.max_grad_norm}: no clipping", fallback=False)
     _override(trainer, "_clip_grad_norm", _clip_grad_norm)
