@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fasttrain.bench import report, runner, summary
+from fasttrain.bench import report, runner, summary, worker
 from fasttrain.bench.config import BenchConfig, Contender
 
 CONFIG = BenchConfig(
@@ -200,3 +200,59 @@ def test_small_loss_differences_are_not_rounded_to_zero(results):
     results["fasttrain"][1]["losses"] = [4.0, 3.0 + 2.5e-6, 2.0, 1.0]
     text = report.text_table(CONFIG, _full(results))
     assert "2.50e-06 / 8.33e-07" in text
+
+
+def test_every_logged_metric_is_compared(results):
+    # runs from before metrics were recorded (loss and grad_norm only) and TRL runs with more keys mix
+    for run in results["fasttrain"]:
+        run["metrics"] = {
+            "loss": run["losses"],
+            "grad_norm": [1.0, 1.0, 1.0, 1.0],
+            "rewards/margins": [0.0, 0.5, 0.5, 0.5],
+        }
+    results["reference"][0]["metrics"] = {
+        "loss": [4.0, 3.0, 2.0, 1.0],
+        "grad_norm": [1.0, 1.0, 1.0, 1.1],
+        "rewards/margins": [0.0, 0.5, 0.4, 0.5],
+    }
+    data = _full(results)
+    vs = data["comparison"]["fasttrain_vs_reference"]
+    assert set(vs["metric_differences"]) == {"loss", "grad_norm", "rewards/margins"}
+    assert vs["metric_differences"]["rewards/margins"]["max_abs"] == pytest.approx(0.1)
+    assert vs["largest_metric_difference"]["metric"] == "rewards/margins"
+    assert vs["largest_metric_difference"]["max_rel"] == pytest.approx(0.25)
+    text = report.text_table(CONFIG, data)
+    assert (
+        "largest per-step metric diff vs reference (rel, metric)" in text
+        and "2.50e-01 (rewards/margins)" in text
+    )
+    md = report.markdown(CONFIG, data)
+    assert "| rewards/margins | 1.00e-01 / 2.50e-01 |" in md
+    assert "| grad_norm | 1.00e-01 / 9.09e-02 |" in md
+
+
+def test_metrics_fall_back_to_loss_and_grad_norm(results):
+    data = summary.build(results)  # the fixture's runs carry no "metrics"
+    assert set(data["comparison"]["fasttrain_vs_reference"]["metric_differences"]) == {"loss", "grad_norm"}
+
+
+def test_step_metrics_leave_timings_out():
+    logs = {
+        "loss": 2.0,
+        "grad_norm": 1.5,
+        "learning_rate": 1e-3,
+        "epoch": 0.5,
+        "train_runtime": 3.0,
+        "train_tokens_per_second": 9.0,
+        "total_flos": 1e9,
+        "rewards/chosen": -0.1,
+        "note": "x",
+        "flag": True,
+    }
+    assert worker.step_metrics(logs) == {
+        "loss": 2.0,
+        "grad_norm": 1.5,
+        "learning_rate": 1e-3,
+        "epoch": 0.5,
+        "rewards/chosen": -0.1,
+    }

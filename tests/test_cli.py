@@ -133,3 +133,71 @@ def test_explicit_options_override_device_defaults(tmp_path):
     )
     assert config.bf16 and not config.group_by_length and config.dataset == str(data)
     assert config.examples_needed == 5 * 3 * 2
+
+
+def test_version_flag_prints_the_package_version(capsys):
+    import fasttrain
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fasttrain {fasttrain.__version__}"
+
+
+@pytest.mark.parametrize(("steps", "warmup"), [(1, 0), (2, 1), (3, 2), (12, 2)])
+def test_warmup_default_follows_steps(steps, warmup):
+    config, _, _ = _resolve(["bench", "--device", "cpu", "--steps", str(steps)])
+    assert config.warmup_steps == warmup
+
+
+def test_explicit_warmup_is_kept_and_checked(capsys):
+    config, _, _ = _resolve(["bench", "--device", "cpu", "--steps", "5", "--warmup-steps", "0"])
+    assert config.warmup_steps == 0
+    assert "--warmup-steps (1) must be smaller than --steps (1)" in _error(
+        capsys, ["bench", "--device", "cpu", "--steps", "1", "--warmup-steps", "1"]
+    )
+
+
+def test_misspelled_bench_option_prints_the_bench_usage(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "--stpes", "3"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fasttrain bench")
+    assert "fasttrain bench: error: unrecognized arguments: --stpes 3" in err
+    assert "did you mean --steps?" in err
+    assert "Traceback" not in err
+
+
+def test_misspelled_top_level_option_prints_the_top_level_usage(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--verison"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fasttrain [-h] [--version]")
+    assert "did you mean --version?" in err
+
+
+def test_trainer_types_and_their_defaults():
+    config, contenders, _ = _resolve(["bench", "--device", "cpu"])
+    assert config.trainer_type == "transformers" and config.group_by_length
+    config, contenders, _ = _resolve(["bench", "--device", "cpu", "--trainer", "sft"])
+    assert config.trainer_type == "sft" and config.group_by_length
+    assert [c.trainer for c in contenders] == [REFERENCE, FASTTRAIN]
+    config, _, _ = _resolve(["bench", "--device", "cpu", "--trainer", "dpo"])
+    assert config.trainer_type == "dpo" and not config.group_by_length
+
+
+def test_dpo_refuses_group_by_length(capsys):
+    err = _error(capsys, ["bench", "--device", "cpu", "--trainer", "dpo", "--group-by-length"])
+    assert "--group-by-length does not apply to --trainer dpo" in err
+
+
+def test_trl_trainer_without_trl_is_a_usage_error(capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "trl" else find_spec(name, *a)
+    )
+    assert "--trainer sft needs TRL" in _error(capsys, ["bench", "--device", "cpu", "--trainer", "sft"])

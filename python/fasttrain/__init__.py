@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
 # public name -> module that defines it (relative to this package)
 _EXPORTS: dict[str, str] = {
     "Trainer": ".trainer",
@@ -49,6 +47,13 @@ assert set(__all__) == {*_EXPORTS, "__version__"}
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        # One source: Cargo.toml's version, compiled into the native module (and written by maturin into
+        # the wheel's metadata), so the package, the wheel and the extension cannot disagree.
+        from ._native import __version__
+
+        globals()["__version__"] = __version__
+        return __version__
     module_name = _EXPORTS.get(name)
     if module_name is None:
         raise AttributeError(f"module 'fasttrain' has no attribute {name!r}")
@@ -62,6 +67,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from ._native import __version__
     from .data.collators import (
         DataCollatorForLanguageModeling,
         DataCollatorForSeq2Seq,

@@ -1,12 +1,14 @@
-"""The ``fasttrain`` command line: ``fasttrain bench`` (also ``python -m fasttrain bench``).
+"""The ``fasttrain`` command line: ``fasttrain bench`` (also ``python -m fasttrain bench``), ``fasttrain --version``.
 
-Exit codes: 0 done; 2 bad options or unusable model/data (one line on stderr, no traceback); 1 a training
-run crashed (the tail of its log on stderr); 130 interrupted.
+Exit codes: 0 done; 2 bad options or unusable model/data (one line on stderr, no traceback; an unknown or
+misspelled option prints the usage of the command it was given to); 1 a training run crashed (the tail of its
+log on stderr); 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import os
 import shlex
@@ -21,6 +23,12 @@ DEVICE_DEFAULTS = {
     "cpu": {"model": "qwen3-cpu", "seq_len": 256, "batch_size": 4, "steps": 12, "bf16": False},
     "cuda": {"model": "qwen3-0.6b", "seq_len": 4096, "batch_size": 2, "steps": 12, "bf16": True},
 }
+# Steps left out of the timing unless --warmup-steps says otherwise: the first ones compile kernels and warm
+# caches. Never more than --steps minus one, so that a short run still times at least one step.
+DEFAULT_WARMUP_STEPS = 2
+# --trainer: which Trainer both sides run. "sft"/"dpo": TRL's SFTTrainer/DPOTrainer, plain against the same
+# trainer under fasttrain.patch().
+TRAINER_TYPES = ("transformers", "sft", "dpo")
 
 
 class UsageError(ValueError):
@@ -32,8 +40,18 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
         "bench",
         help="run the transformers Trainer and fasttrain side by side",
         description="Train the same model on the same data with the same seed and arguments, once with "
-        "transformers.Trainer and once with fasttrain.Trainer, each in its own process, alternating "
-        "repetitions; then print a side-by-side table.",
+        "transformers.Trainer and once with fasttrain.Trainer (or, with --trainer sft/dpo, TRL's trainer plain "
+        "and under fasttrain.patch()), each in its own process, alternating repetitions; then print a "
+        "side-by-side table.",
+    )
+    p.set_defaults(command_parser=p)  # main() reports a misspelled option with this parser's usage
+    p.add_argument(
+        "--trainer",
+        choices=TRAINER_TYPES,
+        default="transformers",
+        help="transformers: transformers.Trainer against fasttrain.Trainer; sft / dpo: TRL's SFTTrainer / "
+        "DPOTrainer (completion-only SFT; DPO with a reference model), plain against under fasttrain.patch() "
+        "(needs trl; default: transformers)",
     )
     p.add_argument(
         "--model",
@@ -66,7 +84,9 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--repeats", type=int, default=2, help="repetitions per contender (default: 2)")
     p.add_argument(
-        "--warmup-steps", type=int, default=2, help="first steps left out of the timing (default: 2)"
+        "--warmup-steps",
+        type=int,
+        help=f"first steps left out of the timing (default: {DEFAULT_WARMUP_STEPS}, at most --steps minus 1)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
@@ -74,8 +94,9 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--group-by-length",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="train_sampling_strategy='group_by_length' (default: on)",
+        default=None,
+        help="train_sampling_strategy='group_by_length' (default: on; off for --trainer dpo, whose "
+        "preference rows have no input_ids column to group by)",
     )
     p.add_argument(
         "--liger",
@@ -98,11 +119,32 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fasttrain", description="fasttrain: a faster transformers Trainer")
+    parser.add_argument("--version", action="version", version=f"fasttrain {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _bench_parser(sub)
     return parser
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """'unrecognized arguments: ...', with the closest known option for each misspelled one."""
+    known = [option for action in parser._actions for option in action.option_strings]
+    hints = []
+    for extra in extras:
+        name = extra.split("=", 1)[0]
+        if name.startswith("--"):
+            close = difflib.get_close_matches(name, known, n=1)
+            if close:
+                hints.append(f"{name}: did you mean {close[0]}?")
+    message = "unrecognized arguments: " + " ".join(extras)
+    return message + ("" if not hints else " (" + "; ".join(hints) + ")")
 
 
 def _cuda_available() -> bool:
@@ -138,19 +180,33 @@ def resolve(args: argparse.Namespace):
         pick(args.batch_size, "batch_size"),
     )
     threads = args.threads if args.threads is not None else len(os.sched_getaffinity(0))
+    # Derived from --steps unless given: `--steps 1` alone must not trip over an option the user never set.
+    warmup = args.warmup_steps
+    if warmup is None:
+        warmup = min(DEFAULT_WARMUP_STEPS, max(steps - 1, 0))
     for option, value, minimum in (
         ("--steps", steps, 1),
         ("--seq-len", seq_len, data.MIN_TOKENS),
         ("--batch-size", batch, 1),
         ("--grad-accum", args.grad_accum, 1),
         ("--repeats", args.repeats, 1),
-        ("--warmup-steps", args.warmup_steps, 0),
+        ("--warmup-steps", warmup, 0),
         ("--threads", threads, 1),
     ):
         if value < minimum:
             raise UsageError(f"{option} must be at least {minimum} (got {value})")
-    if args.warmup_steps >= steps:
-        raise UsageError(f"--warmup-steps ({args.warmup_steps}) must be smaller than --steps ({steps})")
+    if warmup >= steps:
+        raise UsageError(f"--warmup-steps ({warmup}) must be smaller than --steps ({steps})")
+    trainer_type = args.trainer
+    if trainer_type != "transformers" and importlib.util.find_spec("trl") is None:
+        raise UsageError(f"--trainer {trainer_type} needs TRL, which is not installed (pip install trl)")
+    group_by_length = args.group_by_length
+    if group_by_length is None:
+        group_by_length = trainer_type != "dpo"
+    elif group_by_length and trainer_type == "dpo":
+        raise UsageError(
+            "--group-by-length does not apply to --trainer dpo: preference rows have no input_ids column"
+        )
     if not args.lr > 0:
         raise UsageError(f"--lr must be positive (got {args.lr})")
     model = pick(args.model, "model")
@@ -194,8 +250,9 @@ def resolve(args: argparse.Namespace):
         seed=args.seed,
         threads=threads,
         learning_rate=args.lr,
-        warmup_steps=args.warmup_steps,
-        group_by_length=args.group_by_length,
+        warmup_steps=warmup,
+        group_by_length=group_by_length,
+        trainer_type=trainer_type,
     )
     contenders = [Contender(REFERENCE, REFERENCE), Contender(FASTTRAIN, FASTTRAIN)]
     if liger:
@@ -245,7 +302,12 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)  # argparse itself exits 2 with a usage line on unknown options
+    # argparse exits 2 with a usage line on a bad value; unknown options are collected here so that the
+    # message carries the usage of the command they were given to, not the top-level one.
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        command_parser = getattr(args, "command_parser", parser)
+        command_parser.error(_unrecognized(command_parser, extras))
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

@@ -27,6 +27,9 @@ class BenchConfig:
     learning_rate: float
     warmup_steps: int
     group_by_length: bool
+    # "transformers": transformers.Trainer against fasttrain.Trainer; "sft" / "dpo": TRL's SFTTrainer /
+    # DPOTrainer, plain against under fasttrain.patch()
+    trainer_type: str = "transformers"
 
     @property
     def examples_needed(self) -> int:

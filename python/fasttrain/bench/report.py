@@ -21,7 +21,14 @@ _PACKAGES = (
     "datasets",
     "triton",
     "liger-kernel",
+    "trl",
 )
+# What the reference and fasttrain columns are, per --trainer
+_SIDES = {
+    "transformers": ("transformers.Trainer, optim=adamw_torch_fused", "fasttrain.Trainer"),
+    "sft": ("TRL SFTTrainer, plain", "TRL SFTTrainer under fasttrain.patch()"),
+    "dpo": ("TRL DPOTrainer, plain", "TRL DPOTrainer under fasttrain.patch()"),
+}
 
 
 class PlotUnavailable(RuntimeError):
@@ -117,17 +124,39 @@ def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         line("final loss", "final_loss", 4),
     ]
     diff = ["largest per-step loss diff vs reference (abs / rel)"]
+    worst = ["largest per-step metric diff vs reference (rel, metric)"]
     floor = ["largest loss diff between own repetitions"]
     for name, summary in columns:
         vs = comparison.get(f"{name}_vs_reference")
         if vs is None:
             diff.append("-")
+            worst.append("-")
         else:
             d = vs["loss_difference"]
             diff.append(f"{_sci(d['max_abs'])} / {_sci(d['max_rel'])}".replace("n/a / n/a", "n/a"))
+            w = vs.get("largest_metric_difference") or {}
+            worst.append(f"{_sci(w.get('max_rel'))} ({w['metric']})" if w.get("metric") else "n/a")
         floor.append(_sci(summary["loss_difference_between_repetitions"]))
-    table += [diff, floor, ["hot paths", *[_hot_paths(s) for _, s in columns]]]
+    table += [diff, worst, floor, ["hot paths", *[_hot_paths(s) for _, s in columns]]]
     return header, table
+
+
+def metric_rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Per logged metric, the largest per-step difference of each contender from the reference (abs / rel)."""
+    differences = {
+        name: data["comparison"][f"{name}_vs_reference"].get("metric_differences", {})
+        for name, _ in _columns(data)
+        if f"{name}_vs_reference" in data["comparison"]
+    }
+    metrics = sorted({metric for per_metric in differences.values() for metric in per_metric})
+    table = []
+    for metric in metrics:
+        cells = [metric]
+        for per_metric in differences.values():
+            d = per_metric.get(metric)
+            cells.append("n/a" if d is None else f"{_sci(d['max_abs'])} / {_sci(d['max_rel'])}")
+        table.append(cells)
+    return ["metric", *differences], table
 
 
 def _sci(value: Any) -> str:
@@ -140,7 +169,9 @@ def _sci(value: Any) -> str:
 def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
     reference = data["reference"]
     dtype = "bf16 weights + bf16=True" if config.bf16 else "fp32"
+    reference_side, fasttrain_side = _SIDES[config.trainer_type]
     return [
+        f"reference: {reference_side}; fasttrain: {fasttrain_side}",
         f"model {config.model}, dataset {config.dataset}, device {config.device}, {dtype}, "
         f"{config.steps} steps x batch {config.batch_size} x grad-accum {config.grad_accum}, "
         f"sequences up to {config.seq_len} tokens (padded per batch"
@@ -151,8 +182,9 @@ def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
         f"the first {reference['warmup_steps_excluded']} (warm-up) steps",
         f"memory: {reference['memory_kind']}; "
         "'above setup' subtracts the value right after the model and data were built",
-        "ratios in parentheses are against the reference (transformers.Trainer, optim=adamw_torch_fused); "
-        "the loss difference is the largest over all steps, relative to the reference's loss at that step",
+        "ratios in parentheses are against the reference; the loss and metric differences are the largest over "
+        "all steps, relative to the reference's value at that step (every numeric value the Trainer logs at "
+        "each step, timings left out)",
         *_load_note(data),
     ]
 
@@ -203,6 +235,16 @@ def markdown(config: BenchConfig, data: dict[str, Any], title: str = "fasttrain 
     ]
     out += ["| " + " | ".join(cell.replace("|", "/") for cell in r) + " |" for r in table]
     out += ["", *[f"- {line}" for line in describe(config, data)], ""]
+    header, table = metric_rows(data)
+    if table:
+        out += [
+            "## Largest per-step difference from the reference, per logged metric (abs / rel)",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join([" --- "] + [" ---: "] * (len(header) - 1)) + "|",
+            *["| " + " | ".join(r) + " |" for r in table],
+            "",
+        ]
     return "\n".join(out)
 
 

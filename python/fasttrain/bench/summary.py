@@ -26,6 +26,25 @@ def loss_difference(a: list[float | None], b: list[float | None]) -> dict[str, f
     }
 
 
+def metric_differences(a: dict[str, list], b: dict[str, list]) -> dict[str, dict[str, float | int | None]]:
+    """``loss_difference`` for every metric both runs logged (loss, grad_norm, and whatever TRL adds)."""
+    return {name: loss_difference(a[name], b[name]) for name in sorted(set(a) & set(b))}
+
+
+def largest_metric_difference(differences: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The metric whose per-step relative difference is largest, with that difference."""
+    compared = {name: d for name, d in differences.items() if d["max_rel"] is not None}
+    if not compared:
+        return {"metric": None, "max_abs": None, "max_rel": None}
+    name = max(compared, key=lambda n: compared[n]["max_rel"])
+    return {"metric": name, "max_abs": compared[name]["max_abs"], "max_rel": compared[name]["max_rel"]}
+
+
+def _metrics(run: dict[str, Any]) -> dict[str, list]:
+    """Per-step metrics of one run (results written before they were recorded carry loss and grad_norm only)."""
+    return run.get("metrics") or {"loss": run["losses"], "grad_norm": run.get("grad_norms") or []}
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One contender: medians over its repetitions; losses and hot paths from its first repetition."""
     first = runs[0]
@@ -42,6 +61,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_above_setup_mb": _median([r["peak_above_setup_mb"] for r in runs]),
         "memory_kind": first["memory_kind"],
         "losses": first["losses"],
+        "metrics": _metrics(first),
         "final_loss": first["final_loss"],
         "hot_paths": first["hot_paths"],
         "warmup_steps_excluded": first["warmup_steps_excluded"],
@@ -70,6 +90,8 @@ def compare(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
         "peak_memory_ratio": ratio("peak_memory_mb"),
         "peak_above_setup_ratio": ratio("peak_above_setup_mb"),
         "loss_difference": loss_difference(reference["losses"], other["losses"]),
+        "metric_differences": (diffs := metric_differences(reference["metrics"], other["metrics"])),
+        "largest_metric_difference": largest_metric_difference(diffs),
     }
 
 

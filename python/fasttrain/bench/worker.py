@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import resource
 import sys
 import tempfile
@@ -64,10 +65,9 @@ def _tokenizer_for(config: BenchConfig):
     return tokenizer.as_transformers_tokenizer(path)
 
 
-def _training_arguments(config: BenchConfig, contender: Contender, output_dir: str):
-    from transformers import TrainingArguments
-
-    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+def training_kwargs(config: BenchConfig, contender: Contender, output_dir: str, args_cls) -> dict[str, Any]:
+    """The arguments every contender shares, for ``args_cls`` (TrainingArguments or a TRL config subclass)."""
+    fields = {f.name for f in dataclasses.fields(args_cls)}
     kwargs: dict[str, Any] = dict(
         output_dir=output_dir,
         max_steps=config.steps,
@@ -92,11 +92,11 @@ def _training_arguments(config: BenchConfig, contender: Contender, output_dir: s
             kwargs["group_by_length"] = True
     if contender.trainer == LIGER:
         kwargs["use_liger_kernel"] = True
-    return TrainingArguments(**kwargs)
+    return kwargs
 
 
 def _recorder(config: BenchConfig, progress_path: str | None, is_cuda: bool):
-    """A TrainerCallback that records every optimizer step: loss, grad norm, wall time, tokens seen."""
+    """A TrainerCallback that records every optimizer step: wall time, tokens seen, and every metric logged."""
     import torch
     from transformers import TrainerCallback
 
@@ -108,8 +108,7 @@ def _recorder(config: BenchConfig, progress_path: str | None, is_cuda: bool):
             self.start_cpu = 0.0
             self.step_end_cpu: list[float] = []
             self.tokens_seen: list[int] = []
-            self.losses: dict[int, float] = {}
-            self.grad_norms: dict[int, float] = {}
+            self.metrics: dict[int, dict[str, float]] = {}  # step -> what the Trainer logged at that step
             self.progress = open(progress_path, "a", encoding="ascii") if progress_path else None  # noqa: SIM115
 
         def _now(self) -> float:
@@ -131,20 +130,53 @@ def _recorder(config: BenchConfig, progress_path: str | None, is_cuda: bool):
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = logs or {}
-            if "loss" in logs:
-                self.losses[state.global_step] = float(logs["loss"])
-            if logs.get("grad_norm") is not None:
-                self.grad_norms[state.global_step] = float(logs["grad_norm"])
+            if "loss" in logs:  # a training step's log (the end-of-training summary has train_loss instead)
+                self.metrics[state.global_step] = step_metrics(logs)
 
     return StepRecorder()
+
+
+# Logged values that are timings or counters of this run's speed, not of what was learned: never compared.
+_TIMING_KEY = re.compile(r"runtime|per_second|_flos$")
+
+
+def step_metrics(logs: dict[str, Any]) -> dict[str, float]:
+    """The numeric values of one training-step log that both contenders must agree on."""
+    return {
+        key: float(value)
+        for key, value in logs.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not _TIMING_KEY.search(key)
+    }
+
+
+def _transformers_trainer(
+    config: BenchConfig, contender: Contender, model, tok, examples, output_dir, callback
+):
+    import transformers
+    from transformers import DataCollatorForLanguageModeling, TrainingArguments
+
+    from . import data
+
+    if contender.trainer == FASTTRAIN:
+        import fasttrain
+
+        trainer_cls = fasttrain.Trainer
+    else:
+        trainer_cls = transformers.Trainer
+    return trainer_cls(
+        model=model,
+        args=TrainingArguments(**training_kwargs(config, contender, output_dir, TrainingArguments)),
+        train_dataset=data.as_dataset(examples),
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+        callbacks=[callback],
+    )
 
 
 def run(config: BenchConfig, contender: Contender, progress_path: str | None = None) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(config.threads)
-    import transformers
-    from transformers import DataCollatorForLanguageModeling, set_seed
+    from transformers import set_seed
 
     from . import data, models
 
@@ -156,13 +188,16 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         raise data.DatasetError(
             f"--dataset {config.dataset!r} yields no example of at least {data.MIN_TOKENS} tokens"
         )
-    train_dataset = data.as_dataset(examples)
     dtype = torch.bfloat16 if config.bf16 else torch.float32
     model = models.build_model(config.model, config.seq_len, config.seed, config.device, dtype)
     if len(tok) > model.config.vocab_size:
         raise models.ModelError(
             f"the tokenizer has {len(tok)} tokens but the model's vocabulary is {model.config.vocab_size}"
         )
+    # DPO's frozen reference: the same weights again (TRL would load it from the hub id the config names)
+    ref_model = None
+    if config.trainer_type == "dpo":
+        ref_model = models.build_model(config.model, config.seq_len, config.seed, config.device, dtype)
     set_seed(config.seed)
     setup_s = time.perf_counter() - t0
     rss_after_setup = _rss_mb()
@@ -171,21 +206,17 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         torch.cuda.reset_peak_memory_stats()
         allocated_after_setup = torch.cuda.memory_allocated() / 2**20
 
-    if contender.trainer == FASTTRAIN:
-        import fasttrain
-
-        trainer_cls = fasttrain.Trainer
-    else:
-        trainer_cls = transformers.Trainer
     recorder = _recorder(config, progress_path, is_cuda)
     with tempfile.TemporaryDirectory(prefix="fasttrain-bench-") as output_dir:
-        trainer = trainer_cls(
-            model=model,
-            args=_training_arguments(config, contender, output_dir),
-            train_dataset=train_dataset,
-            data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-            callbacks=[recorder],
-        )
+        if config.trainer_type == "transformers":
+            trainer = _transformers_trainer(config, contender, model, tok, examples, output_dir, recorder)
+        else:
+            from . import trl_runs
+
+            trainer = trl_runs.build_trainer(
+                config, contender, model, ref_model, tok, examples, output_dir, recorder
+            )
+        trainer_cls = type(trainer)
         trainer.train()
     status = dict(getattr(trainer, "fasttrain_status", None) or {})
     requested = getattr(trainer, "hot_paths", None)  # fasttrain.Trainer: HotPaths after FASTTRAIN_DISABLE
@@ -198,11 +229,16 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
     cpu_times = [recorder.start_cpu, *recorder.step_end_cpu]
     timed_cpu_s = cpu_times[-1] - cpu_times[warmup]
     timed_tokens = seen[-1] - seen[warmup]
-    losses = [recorder.losses.get(step) for step in range(1, steps_done + 1)]
+    per_step = [recorder.metrics.get(step, {}) for step in range(1, steps_done + 1)]
+    metric_names = sorted({name for logged in per_step for name in logged})
+    metrics = {name: [logged.get(name) for logged in per_step] for name in metric_names}
+    losses = metrics.get("loss", [None] * steps_done)
     result: dict[str, Any] = {
         "contender": contender.name,
         "trainer": contender.trainer,
         "trainer_class": f"{trainer_cls.__module__}.{trainer_cls.__qualname__}",
+        "trainer_type": config.trainer_type,
+        "patched": config.trainer_type != "transformers" and contender.trainer == FASTTRAIN,
         "fasttrain_disable": os.environ.get("FASTTRAIN_DISABLE") or None,
         "steps": steps_done,
         "warmup_steps_excluded": warmup,
@@ -213,7 +249,8 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         "tokens_per_step": [b - a for a, b in itertools.pairwise(seen)],
         "timed_tokens": timed_tokens,
         "losses": losses,
-        "grad_norms": [recorder.grad_norms.get(step) for step in range(1, steps_done + 1)],
+        "grad_norms": metrics.get("grad_norm", [None] * steps_done),
+        "metrics": metrics,
         "final_loss": losses[-1] if losses else None,
         "hot_paths": status,
         "hot_paths_requested": dataclasses.asdict(requested) if dataclasses.is_dataclass(requested) else None,

@@ -1,0 +1,102 @@
+"""``fasttrain bench --trainer sft|dpo``: one run of TRL's SFTTrainer or DPOTrainer, plain or under ``patch()``.
+
+Both sides build the same trainer class from the same model, data, seed and arguments; the fasttrain side only
+calls ``fasttrain.patch()`` first, as a TRL user would. TRL's own defaults stay (its collators, gradient
+checkpointing on), so the comparison is what such a user gets. TRL is imported here, lazily: it is a bench and
+test dependency, never one of fasttrain's.
+
+Data, from the bench's token-id examples (same ids, same order on both sides):
+
+- SFT: prompt/completion rows, pre-tokenized as ``input_ids`` + ``completion_mask`` (the first 10-60% of each
+  example is the prompt), trained completion-only (``completion_only_loss=True``);
+- DPO: preference rows as text: the prompt is the start of one example, ``chosen`` its own continuation,
+  ``rejected`` the continuation of the next example; DPO's frozen reference model has the same initial weights.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from .config import FASTTRAIN, BenchConfig, Contender
+
+# fraction of each example that is prompt, drawn per example from this range with the bench's seed
+PROMPT_FRACTION = (0.1, 0.6)
+
+
+def _prompt_lengths(examples: list[list[int]], seed: int) -> list[int]:
+    rng = random.Random(seed)
+    lengths = []
+    for ids in examples:
+        fraction = rng.uniform(*PROMPT_FRACTION)
+        lengths.append(min(max(1, int(len(ids) * fraction)), len(ids) - 1))  # at least one token on each side
+    return lengths
+
+
+def sft_rows(examples: list[list[int]], seed: int) -> dict[str, list[list[int]]]:
+    """``input_ids`` and ``completion_mask`` (0 on the prompt, 1 on the completion) for each example."""
+    rows: dict[str, list[list[int]]] = {"input_ids": [], "completion_mask": []}
+    for ids, prompt in zip(examples, _prompt_lengths(examples, seed), strict=True):
+        rows["input_ids"].append(list(ids))
+        rows["completion_mask"].append([0] * prompt + [1] * (len(ids) - prompt))
+    return rows
+
+
+def preference_rows(examples: list[list[int]], tokenizer, seq_len: int, seed: int) -> dict[str, list[str]]:
+    """``prompt``/``chosen``/``rejected`` text rows; prompt + either completion fits in ``seq_len`` tokens."""
+    rows: dict[str, list[str]] = {"prompt": [], "chosen": [], "rejected": []}
+    prompts = _prompt_lengths(examples, seed)
+    for i, (ids, prompt) in enumerate(zip(examples, prompts, strict=True)):
+        other = examples[(i + 1) % len(examples)]
+        other_prompt = prompts[(i + 1) % len(examples)]
+        rejected = other[other_prompt:][: max(1, seq_len - prompt)]
+        rows["prompt"].append(tokenizer.decode(ids[:prompt]))
+        rows["chosen"].append(tokenizer.decode(ids[prompt:]))
+        rows["rejected"].append(tokenizer.decode(rejected))
+    return rows
+
+
+def build_trainer(
+    config: BenchConfig,
+    contender: Contender,
+    model,
+    ref_model,
+    tokenizer,
+    examples: list[list[int]],
+    output_dir: str,
+    callback,
+) -> Any:
+    """The TRL trainer of ``config.trainer_type`` for ``contender``: plain, or under ``fasttrain.patch()``."""
+    import datasets
+    import trl
+
+    from .worker import training_kwargs
+
+    if contender.trainer == FASTTRAIN:
+        import fasttrain
+
+        fasttrain.patch()  # FASTTRAIN_DISABLE (ablation runs) still switches paths off
+    if config.trainer_type == "sft":
+        kwargs = training_kwargs(config, contender, output_dir, trl.SFTConfig)
+        args = trl.SFTConfig(**kwargs, max_length=config.seq_len, packing=False, completion_only_loss=True)
+        train_dataset = datasets.Dataset.from_dict(sft_rows(examples, config.seed))
+        return trl.SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=tokenizer,
+            callbacks=[callback],
+        )
+    if config.trainer_type == "dpo":
+        kwargs = training_kwargs(config, contender, output_dir, trl.DPOConfig)
+        args = trl.DPOConfig(**kwargs, max_length=config.seq_len)
+        rows = preference_rows(examples, tokenizer, config.seq_len, config.seed)
+        return trl.DPOTrainer(
+            model=model,
+            ref_model=ref_model,
+            args=args,
+            train_dataset=datasets.Dataset.from_dict(rows),
+            processing_class=tokenizer,
+            callbacks=[callback],
+        )
+    raise ValueError(f"unknown trainer type {config.trainer_type!r}")
