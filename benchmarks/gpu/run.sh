@@ -44,7 +44,8 @@ python=${PYTHON:-python3}
 export PYTHON=$python HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 site=${FASTTRAIN_SITE:-${TMPDIR:-/tmp}/fasttrain-gpu-site}
 source .ci/suites
-mapfile -t kernel_tests < <(suite KERNEL_TESTS)
+listing=$(suite KERNEL_TESTS) || { echo "[gpu] KERNEL_TESTS names a missing file" >&2; exit 2; }
+mapfile -t kernel_tests <<< "$listing"
 
 # Time caps in seconds, GPU run then --smoke (2 shared CPU cores, the interpreter). The GPU caps add up to
 # 460 s; benchmarks/gpu/README.md explains each.
