@@ -201,7 +201,7 @@ def _state(model: nn.Module) -> _FusedLossState | None:
 
 def enable_fused_loss(model: nn.Module) -> str | None:
     """Wrap the causal LM's forward (this instance only). Returns None when enabled, else a short reason
-    why the model keeps its own path (also logged once). Idempotent."""
+    why the model keeps its own path; it logs nothing (the caller reports the reason once). Idempotent."""
     target = find_causal_lm(model)
     state = target.__dict__.get(_STATE_ATTR)
     if state is not None:

@@ -1,0 +1,23 @@
+"""fp32 accumulation of chunk products, shared by the chunked losses."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["addmm_fp32"]
+
+# torch >= 2.8 has addmm with bf16/fp16 operands and an fp32 output on CUDA (not on CPU): decided once, by
+# version, instead of by trying and remembering a failure.
+_CUDA_MIXED_ADDMM = torch.__version__ >= (2, 8)
+
+
+def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` for an fp32 ``acc`` without rounding ``a @ b`` to the operands' dtype first
+    (rounding each chunk's product to bf16 before summing biases the weight gradient)."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif _CUDA_MIXED_ADDMM and a.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        # no mixed-dtype matmul here: chunk-sized fp32 copies keep the accumulation exact
+        acc.addmm_(a.float(), b.float())
