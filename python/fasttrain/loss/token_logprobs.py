@@ -24,7 +24,7 @@ import torch
 
 from .._backend import check_backend, resolve_backend
 from . import token_stats_torch
-from ._matmul import addmm_fp32
+from ._matmul import addmm_fp32, has_fp32_addmm
 from .function import _check_labels, default_chunk_rows
 from .token_stats_torch import HeadTransform
 
@@ -56,7 +56,15 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _grads_buffers(hidden, weight, bias, needs):
-    grad_hidden = torch.empty_like(hidden) if needs[0] else None
+    grad_hidden = None
+    if needs[0]:
+        # fp32 accumulation where it is free (CUDA), like TRL's; on CPU the matmul's own output dtype
+        half = hidden.dtype != torch.float32 and has_fp32_addmm(hidden)
+        grad_hidden = (
+            torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+            if half
+            else (torch.empty_like(hidden))
+        )
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
     grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs[2] else None
     return grad_hidden, grad_weight, grad_bias
@@ -66,17 +74,20 @@ def _fold_grad(grads, grad_logits, weight, h, start, end) -> None:
     """grad_logits [rows, V] of rows start:end into the hidden / weight / bias gradients."""
     grad_hidden, grad_weight, grad_bias = grads
     if grad_hidden is not None:
-        torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+        if grad_hidden.dtype == grad_logits.dtype:
+            torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+        else:
+            addmm_fp32(grad_hidden[start:end], grad_logits, weight)
     if grad_weight is not None:
         addmm_fp32(grad_weight, grad_logits.t(), h)
     if grad_bias is not None:
         grad_bias += grad_logits.sum(dim=0, dtype=torch.float32)
 
 
-def _cast_grads(grads, weight, bias):
+def _cast_grads(grads, hidden, weight, bias):
     grad_hidden, grad_weight, grad_bias = grads
     return (
-        grad_hidden,
+        None if grad_hidden is None else grad_hidden.to(hidden.dtype),
         None if grad_weight is None else grad_weight.to(weight.dtype),
         None if grad_bias is None else grad_bias.to(bias.dtype),
     )
@@ -144,7 +155,7 @@ class _TokenLogProbs(torch.autograd.Function):
                 for g in (grad_hidden, grad_weight, grad_bias):
                     if g is not None:
                         g.mul_(scale)
-                return (*_cast_grads(basis, weight, bias), None, None)
+                return (*_cast_grads(basis, hidden, weight, bias), None, None)
         g_lp = None if grad_log_probs is None else grad_log_probs.float().contiguous()
         g_ent = None if grad_entropy is None else grad_entropy.float().contiguous()
         grads = _grads_buffers(hidden, weight, bias, ctx.needs)
@@ -162,7 +173,7 @@ class _TokenLogProbs(torch.autograd.Function):
                 opts["head"],
             )
             _fold_grad(grads, grad_logits, weight, h, start, end)
-        return (*_cast_grads(grads, weight, bias), None, None)
+        return (*_cast_grads(grads, hidden, weight, bias), None, None)
 
 
 def _uniform_value(grad: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
