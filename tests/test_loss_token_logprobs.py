@@ -313,3 +313,30 @@ def test_fp32_hidden_gradient_buffer(monkeypatch):
     for uniform, upstream in ((True, "sft"), (False, "random")):
         pairs = run("torch", "all", 64, 32, 300, dtype=torch.bfloat16, uniform=uniform, upstream=upstream)
         check([p for p in pairs if p[0] != "is_top1"], 3e-2, err=norm_rel_err)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frozen_head_any_upstream(backend, monkeypatch):
+    """Only the hidden states need a gradient (LoRA): the forward's per-row gradients serve any upstream."""
+    from fasttrain.loss import token_logprobs
+
+    original, folds = token_logprobs._fold_grad, []
+
+    def counting(*args):
+        folds.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(token_logprobs, "_fold_grad", counting)
+    (hidden, weight, _), labels = make(45, 16, 120, bias=False, seed=6)
+    dev = _device(backend)
+    ours_h = hidden.clone().to(dev).requires_grad_()
+    ref_h = hidden.double().requires_grad_()
+    g = torch.randn(45, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    out = fused_token_log_probs(
+        ours_h, weight.to(dev), labels.to(dev), outputs=ALL, backend=backend, chunk_rows=8
+    )
+    in_forward = len(folds)
+    (out.log_probs * g.float().to(dev)).sum().backward()
+    (reference(ref_h, weight, None, labels)["log_probs"] * g).sum().backward()
+    assert in_forward == 6 and len(folds) == in_forward  # folded in the forward, none again in backward
+    assert rel_err(ours_h.grad.cpu(), ref_h.grad) < 2e-5

@@ -8,12 +8,17 @@ output matmuls around it and wraps the whole in a ``torch.autograd.Function``. O
 logits computes every requested per-token output.
 
 Gradients. The log-probs (and the entropy) get per-token upstream gradients, known only in backward, so by
-default the backward recomputes each chunk's logits (4 matmuls in all, like TRL). ``uniform_grad=True`` is a
-speculation for callers whose loss is ``-sum(log_probs) / n`` (TRL's SFT ``nll`` loss): the forward also
-computes the gradients for an upstream gradient of 1 on every scored token (3 matmuls in all), and the
-backward scales them by the actual upstream value if it is the same on every scored token and no entropy
-gradient arrives; otherwise it recomputes as usual, so the result is right either way. Checking "the same on
-every token" reads one value on the host (a sync on a GPU).
+default the backward recomputes each chunk's logits (4 matmuls in all, like TRL). Two cases avoid that
+recompute by computing the gradients in the forward for an upstream gradient of 1 on every scored token:
+
+- only the hidden states need a gradient (a frozen head, e.g. LoRA): each token's row of the hidden gradient
+  is its own upstream value times that row (2 matmuls in all), whatever the upstream values;
+- ``uniform_grad=True``, a speculation for callers whose loss is ``-sum(log_probs) / n`` (TRL's SFT ``nll``):
+  the backward scales the weight, bias and hidden gradients by the upstream value if it is the same on every
+  scored token (3 matmuls in all). Checking that reads one value on the host (a sync on a GPU).
+
+Either way, if an entropy gradient arrives or the upstream is not uniform, the backward recomputes as usual,
+so the result is right in every case.
 """
 
 from __future__ import annotations
@@ -103,7 +108,10 @@ class _TokenLogProbs(torch.autograd.Function):
             ctx.needs_input_grad[1],
             bias is not None and ctx.needs_input_grad[2],
         )
-        speculate = opts["uniform_grad"] and any(needs)
+        # Only the hidden gradient needed (a frozen head, e.g. LoRA): any per-token upstream scales its rows,
+        # so computing it now always saves the backward's recompute (unless an entropy gradient arrives).
+        hidden_only = needs[0] and not (needs[1] or needs[2])
+        speculate = any(needs) and (opts["uniform_grad"] or hidden_only)
         stats_fn = opts["stats_fn"]
         wanted = {name: name in opts["outputs"] for name in OPTIONAL_OUTPUTS}
         n_tokens, rows = hidden.shape[0], opts["chunk_rows"]
@@ -149,9 +157,12 @@ class _TokenLogProbs(torch.autograd.Function):
         opts = ctx.opts
         basis, ctx.basis = ctx.basis, None  # used at most once: a second backward recomputes
         if basis is not None and grad_entropy is None:
+            grad_hidden, grad_weight, grad_bias = basis
+            if grad_weight is None and grad_bias is None:  # rows scale independently (ignored rows are 0)
+                grad_hidden.mul_(grad_log_probs.unsqueeze(1))
+                return (*_cast_grads(basis, hidden, weight, bias), None, None)
             scale = _uniform_value(grad_log_probs, labels != opts["head"].ignore_index)
             if scale is not None:
-                grad_hidden, grad_weight, grad_bias = basis
                 for g in (grad_hidden, grad_weight, grad_bias):
                     if g is not None:
                         g.mul_(scale)
