@@ -250,7 +250,17 @@ def _num_warps(block_v: int) -> int:
 
 
 def token_stats_chunk(
-    logits, labels, head, *, entropy, log_sum_sq_probs, mean_logits, is_top1, compute_grad, block_v=None
+    logits,
+    labels,
+    head,
+    *,
+    entropy,
+    log_sum_sq_probs,
+    mean_logits,
+    is_top1,
+    compute_grad,
+    scratch=None,
+    block_v=None,
 ):
     """Triton twin of ``fasttrain.loss.token_stats_torch.token_stats_chunk`` (same arguments and results);
     the gradient, when asked for, is written into ``logits`` and returned."""
@@ -295,7 +305,9 @@ def token_stats_chunk(
     return out, (logits if compute_grad else None)
 
 
-def token_grad_chunk(logits, labels, log_z, entropy, grad_log_probs, grad_entropy, head, *, block_v=None):
+def token_grad_chunk(
+    logits, labels, log_z, entropy, grad_log_probs, grad_entropy, head, scratch=None, *, block_v=None
+):
     """Triton twin of ``fasttrain.loss.token_stats_torch.token_grad_chunk``: the gradient, in place."""
     _check(logits, labels)
     rows, n_cols = logits.shape

@@ -39,7 +39,7 @@ import torch
 
 from .._backend import check_backend, resolve_backend
 from . import torch_backend
-from ._matmul import addmm_fp32
+from ._matmul import Scratch, addmm_fp32, chunk_logits
 
 __all__ = ["MIN_CHUNK_ROWS", "default_chunk_rows", "fused_linear_cross_entropy"]
 
@@ -89,10 +89,11 @@ def _run_chunks(
         if compute_grad and needs[2] and bias is not None
         else None
     )
+    scratch = Scratch()  # one logits buffer for every chunk
     for start in range(0, n_tokens, chunk_rows):
         end = min(start + chunk_rows, n_tokens)
         h = hidden[start:end]
-        logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())  # [rows, V]
+        logits = chunk_logits(h, weight, bias, scratch)  # [rows, V]
         row_scale = None
         if compute_grad:
             assert scale is not None

@@ -29,7 +29,7 @@ import torch
 
 from .._backend import check_backend, resolve_backend
 from . import token_stats_torch
-from ._matmul import addmm_fp32, has_fp32_addmm
+from ._matmul import Scratch, addmm_fp32, chunk_logits, has_fp32_addmm
 from .function import _check_labels, default_chunk_rows
 from .token_stats_torch import HeadTransform
 
@@ -54,10 +54,6 @@ def _chunk_fns(backend: str, device: torch.device) -> tuple[Any, Any]:
     from fasttrain.kernels.token_logprobs import token_grad_chunk, token_stats_chunk
 
     return token_stats_chunk, token_grad_chunk
-
-
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return hidden @ weight.t() if bias is None else torch.addmm(bias, hidden, weight.t())
 
 
 def _grads_buffers(hidden, weight, bias, needs):
@@ -117,11 +113,17 @@ class _TokenLogProbs(torch.autograd.Function):
         n_tokens, rows = hidden.shape[0], opts["chunk_rows"]
         parts: dict[str, list[torch.Tensor]] = {}
         grads = _grads_buffers(hidden, weight, bias, needs) if speculate else None
+        scratch = Scratch()
         for start in range(0, n_tokens, rows):
             end = min(start + rows, n_tokens)
             h = hidden[start:end]
             out, grad_logits = stats_fn(
-                _logits(h, weight, bias), labels[start:end], opts["head"], compute_grad=speculate, **wanted
+                chunk_logits(h, weight, bias, scratch),
+                labels[start:end],
+                opts["head"],
+                compute_grad=speculate,
+                scratch=scratch,
+                **wanted,
             )
             for name, value in out.items():
                 parts.setdefault(name, []).append(value)
@@ -171,17 +173,19 @@ class _TokenLogProbs(torch.autograd.Function):
         g_ent = None if grad_entropy is None else grad_entropy.float().contiguous()
         grads = _grads_buffers(hidden, weight, bias, ctx.needs)
         grad_fn, rows = opts["grad_fn"], opts["chunk_rows"]
+        scratch = Scratch()
         for start in range(0, hidden.shape[0], rows):
             end = min(start + rows, hidden.shape[0])
             h = hidden[start:end]
             grad_logits = grad_fn(
-                _logits(h, weight, bias),
+                chunk_logits(h, weight, bias, scratch),
                 labels[start:end],
                 log_z[start:end],
                 None if entropy is None else entropy[start:end],
                 None if g_lp is None else g_lp[start:end],
                 None if g_ent is None else g_ent[start:end],
                 opts["head"],
+                scratch,
             )
             _fold_grad(grads, grad_logits, weight, h, start, end)
         return (*_cast_grads(grads, hidden, weight, bias), None, None)

@@ -13,12 +13,15 @@ Gradient with respect to ``z`` for upstream gradients ``g_lp`` (log-prob) and ``
     d/dz_j = g_lp * ([j == label] - p_j) - g_ent * p_j * (log p_j + entropy)
 
 then times ``d z / d logits = logit_scale / temperature * (1 - tanh**2)``. Rows whose label is ``ignore_index``
-get zeros everywhere (statistics and gradient). Temporaries are chunk-sized; ``logits`` is consumed.
+get zeros everywhere (statistics and gradient). Temporaries are chunk-sized, taken from ``scratch`` (reused
+from chunk to chunk) when one is given; ``logits`` is consumed (it may come back holding the gradient).
 """
 
 from __future__ import annotations
 
 import torch
+
+from ._matmul import Scratch
 
 __all__ = ["HeadTransform", "token_grad_chunk", "token_stats_chunk"]
 
@@ -41,11 +44,18 @@ class HeadTransform:
         self.ignore_index = int(ignore_index)
 
 
+def _buffer(scratch: Scratch | None, name: str, like: torch.Tensor) -> torch.Tensor:
+    """An fp32 tensor shaped like ``like``: reused from ``scratch``, or new."""
+    if scratch is None:
+        return torch.empty(like.shape, dtype=torch.float32, device=like.device)
+    return scratch.take(name, (like.shape[0], like.shape[1]), torch.float32, like.device)
+
+
 def _transform(
-    logits: torch.Tensor, head: HeadTransform, keep_tanh: bool
+    logits: torch.Tensor, head: HeadTransform, keep_tanh: bool, scratch: Scratch | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(z fp32, tanh or None); works in place on an fp32 ``logits``, else on one fp32 copy."""
-    z = logits.float()
+    z = logits if logits.dtype == torch.float32 else _buffer(scratch, "z", logits).copy_(logits)
     if head.logit_scale != 1.0:
         z.mul_(head.logit_scale)
     tanh = None
@@ -53,7 +63,7 @@ def _transform(
         z.div_(head.softcap).tanh_()
         if keep_tanh:
             tanh = z
-            z = tanh * head.softcap
+            z = torch.mul(tanh, head.softcap, out=_buffer(scratch, "capped", tanh))
         else:
             z.mul_(head.softcap)
     if head.inv_temperature != 1.0:
@@ -66,9 +76,9 @@ def _finish_grad(
     valid: torch.Tensor,
     tanh: torch.Tensor | None,
     head: HeadTransform,
-    out_dtype: torch.dtype,
+    logits: torch.Tensor,
 ) -> torch.Tensor:
-    """d/dz -> d/dlogits (chain rule through the transform), ignored rows zeroed, in ``out_dtype``."""
+    """d/dz -> d/dlogits (chain rule through the transform), ignored rows zeroed, in ``logits``' dtype."""
     if not bool(valid.all()):
         grad.mul_(valid.unsqueeze(1))
     if tanh is not None:
@@ -76,7 +86,7 @@ def _finish_grad(
     factor = head.logit_scale * head.inv_temperature
     if factor != 1.0:
         grad.mul_(factor)
-    return grad if grad.dtype == out_dtype else grad.to(out_dtype)
+    return grad if grad.dtype == logits.dtype else logits.copy_(grad)  # half precision: into the logits
 
 
 def _batched_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -94,11 +104,12 @@ def token_stats_chunk(
     mean_logits: bool,
     is_top1: bool,
     compute_grad: bool,
+    scratch: Scratch | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """Per-row statistics ({"log_probs", "log_z", and the requested ones}) and, with ``compute_grad``, the
     gradient of the log-probs for an upstream gradient of 1 on every scored row (input dtype)."""
     vocab = logits.shape[1]
-    z, tanh = _transform(logits, head, keep_tanh=compute_grad)
+    z, tanh = _transform(logits, head, compute_grad, scratch)
     valid = labels != head.ignore_index
     safe = torch.where(valid, labels, 0).unsqueeze(1)
     out: dict[str, torch.Tensor] = {}
@@ -111,7 +122,7 @@ def token_stats_chunk(
     else:
         row_max = z.amax(dim=-1)
     shifted = z.sub_(row_max.unsqueeze(1))  # z - max, in place
-    exp = torch.exp(shifted) if entropy else shifted.exp_()
+    exp = torch.exp(shifted, out=_buffer(scratch, "exp", shifted)) if entropy else shifted.exp_()
     sum_exp = exp.sum(dim=-1)
     log_sum = sum_exp.log()
     log_z = row_max + log_sum
@@ -129,7 +140,7 @@ def token_stats_chunk(
         return out, None
     grad = exp.mul_((-1.0 / sum_exp).unsqueeze(1))  # -p
     grad.scatter_add_(1, safe, torch.ones_like(target).unsqueeze(1))  # + onehot
-    return out, _finish_grad(grad, valid, tanh, head, logits.dtype)
+    return out, _finish_grad(grad, valid, tanh, head, logits)
 
 
 def token_grad_chunk(
@@ -140,14 +151,15 @@ def token_grad_chunk(
     grad_log_probs: torch.Tensor | None,  # [rows] fp32
     grad_entropy: torch.Tensor | None,  # [rows] fp32
     head: HeadTransform,
+    scratch: Scratch | None = None,
 ) -> torch.Tensor:
     """Gradient with respect to the chunk's logits (input dtype) for per-row upstream gradients."""
-    z, tanh = _transform(logits, head, keep_tanh=True)
+    z, tanh = _transform(logits, head, True, scratch)
     valid = labels != head.ignore_index
     log_p = z.sub_(log_z.unsqueeze(1))
     if grad_entropy is not None:
         assert entropy is not None
-        p = torch.exp(log_p)
+        p = torch.exp(log_p, out=_buffer(scratch, "exp", log_p))
         coef = log_p.add_(entropy.unsqueeze(1)).mul_(grad_entropy.unsqueeze(1))  # g_ent (log p + H)
         if grad_log_probs is not None:
             coef.add_(grad_log_probs.unsqueeze(1))
@@ -158,4 +170,4 @@ def token_grad_chunk(
     if grad_log_probs is not None:
         safe = torch.where(valid, labels, 0).unsqueeze(1)
         grad.scatter_add_(1, safe, grad_log_probs.unsqueeze(1).to(grad.dtype))
-    return _finish_grad(grad, valid, tanh, head, logits.dtype)
+    return _finish_grad(grad, valid, tanh, head, logits)
