@@ -289,11 +289,15 @@ def test_reasons_and_disable(tmp_path, monkeypatch):
         warnings.simplefilter("ignore")
         trainer = _sft_factory(tmp_path)()
     monkeypatch.setattr(trl, "__version__", "1.15.0")
-    assert "TRL 1.15.0" in trl_support.enable_for_trainer(trainer)
-    monkeypatch.setattr(trl, "__version__", "1.16.0")
-    monkeypatch.setitem(trl_support.KERNEL_CHOICE, "cpu", "trl")
+    assert "TRL 1.15.0: fasttrain serves TRL's fused LM head for TRL >= 1.16" in trl_support.enable_for_trainer(
+        trainer
+    )
+    monkeypatch.delattr(trl_utils, "add_fused_lm_head")  # as in TRL releases before the fused head
+    assert "has no fused LM head" in trl_support.enable_for_trainer(trainer)
+    monkeypatch.undo()
+    monkeypatch.setitem(trl_support.KERNEL_CHOICE, ("cpu", "sft"), "trl")
     assert "measured faster" in trl_support.enable_for_trainer(trainer)
-    monkeypatch.setitem(trl_support.KERNEL_CHOICE, "cpu", "fasttrain")
+    monkeypatch.undo()
 
     trl_forward = trainer.model.forward
     assert trl_support.enable_for_trainer(trainer) is None

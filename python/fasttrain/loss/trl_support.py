@@ -19,8 +19,8 @@ DPO's reference model, instance by instance:
   recomputed when it does not hold). DPO's gradients differ per sequence: the backward recomputes.
 
 TRL's own kernel may still be the faster one on a GPU: ``KERNEL_CHOICE`` says which kernel serves each device
-type, decided by ``benchmarks/gpu/bench_loss_gpu.py --trl``; where it says ``"trl"``, ``enable_for_trainer``
-returns a reason and TRL's head stays.
+type and trainer, decided by ``benchmarks/gpu/bench_loss_gpu.py --trl``; where it says ``"trl"``,
+``enable_for_trainer`` returns that reason and TRL's head stays.
 """
 
 from __future__ import annotations
@@ -41,9 +41,16 @@ __all__ = ["KERNEL_CHOICE", "TESTED_TRL", "disable_for_trainer", "enable_for_tra
 
 # TRL versions whose add_fused_lm_head layout this module was tested against: [first, last-excluded).
 TESTED_TRL = ("1.16", "2.0")
-# Which kernel serves TRL's fused head per device type. CPU: measured (benchmarks/results/loss_trl_cpu.md).
-# CUDA: fasttrain's until benchmarks/gpu/bench_loss_gpu.py --trl has been run on a GPU (not yet).
-KERNEL_CHOICE = {"cpu": "fasttrain", "cuda": "fasttrain"}
+# Which kernel serves TRL's fused head, per (device type, trainer kind): "fasttrain" or "trl".
+# CPU: measured, fasttrain's is faster for both (benchmarks/results/loss_trl_cpu.md).
+# CUDA: not measured yet; fasttrain's until benchmarks/gpu/bench_loss_gpu.py --trl says otherwise (SFT saves a
+# matmul with fasttrain's speculation; DPO runs the same four matmuls as TRL, so the per-row kernels decide).
+KERNEL_CHOICE = {
+    ("cpu", "sft"): "fasttrain",
+    ("cpu", "dpo"): "fasttrain",
+    ("cuda", "sft"): "fasttrain",
+    ("cuda", "dpo"): "fasttrain",
+}
 
 _STATE_ATTR = "_fasttrain_trl_head"
 _CLOSURE_NAMES = (
@@ -138,8 +145,8 @@ def enable_for_trainer(trainer: Any) -> str | None:
     if kind is None:
         return f"{type(trainer).__name__} is not a TRL SFTTrainer or DPOTrainer"
     device_type = trainer.args.device.type
-    if KERNEL_CHOICE.get(device_type, "fasttrain") == "trl":
-        return f"TRL's own fused LM head measured faster on {device_type} (KERNEL_CHOICE)"
+    if KERNEL_CHOICE.get((device_type, kind), "fasttrain") == "trl":
+        return f"TRL's own fused LM head measured faster for {kind} on {device_type} (KERNEL_CHOICE)"
     uniform = kind == "sft" and getattr(trainer.args, "loss_type", "nll") in ("nll", "chunked_nll")
     plans = []
     for model in _models(trainer, kind):
