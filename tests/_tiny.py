@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import datasets
+import pytest
 import tokenizers
 import torch
 import transformers
@@ -85,11 +86,36 @@ def training_args(out: str, **overrides) -> transformers.TrainingArguments:
         disable_tqdm=True,
     )
     base.update(overrides)
+    if not hasattr(transformers.TrainingArguments, "train_sampling_strategy"):  # transformers < 5
+        base["group_by_length"] = base.pop("train_sampling_strategy", None) == "group_by_length"
     return transformers.TrainingArguments(**base)
 
 
+# transformers < 5 has no Trainer._clip_grad_norm (it clips inside its loop): the fused clip cannot run there
+FUSED_CLIP = hasattr(transformers.Trainer, "_clip_grad_norm")
+# transformers < 5 logs the loss rounded to 4 decimals
+LOGGED_LOSS_ABS = 0.0 if FUSED_CLIP else 1.5e-4  # one unit in the 4th decimal, and float slack
+
+
 def step_logs(trainer: transformers.Trainer) -> list[dict]:
-    return [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def assert_same_logs(ref: transformers.Trainer, ours: transformers.Trainer, rtol: float) -> None:
+    """Loss (and grad_norm, when logged) equal to ``rtol`` at every logged step."""
+    ref_logs, our_logs = step_logs(ref), step_logs(ours)
+    assert len(ref_logs) == len(our_logs) > 0
+    for step, (a, b) in enumerate(zip(ref_logs, our_logs, strict=True), start=1):
+        assert b["loss"] == pytest.approx(a["loss"], rel=rtol, abs=LOGGED_LOSS_ABS), f"loss differs at step {step}"
+        assert ("grad_norm" in a) == ("grad_norm" in b)
+        if "grad_norm" in a:
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rtol), f"grad_norm differs at step {step}"
+
+
+def all_on_status() -> dict[str, str]:
+    """The status of a run with every hot path on and applicable, on this transformers."""
+    clip = "on" if FUSED_CLIP else f"off: transformers {transformers.__version__} has no Trainer._clip_grad_norm"
+    return {"optimizer": "on", "clip": clip, "loss": "on", "collator": "on", "sampler": "on"}
 
 
 def text_dataset(n: int = 24, seed: int = 0):
@@ -106,3 +132,20 @@ def text_dataset(n: int = 24, seed: int = 0):
         rows["chosen"].append(words(rng.randint(2, 8)))
         rows["rejected"].append(words(rng.randint(2, 8)))
     return datasets.Dataset.from_dict(rows)
+
+
+def assert_same_updates(ours: torch.nn.Module, ref: torch.nn.Module, init: torch.nn.Module, rtol: float) -> None:
+    """Each parameter of ``ours`` equals ``ref``'s to ``rtol`` of the change training made to it.
+
+    Adam normalises every update, so a rounding-level gradient difference on a near-zero gradient becomes an
+    update-sized difference in that one element: compare whole tensors, as the norm of the difference relative
+    to the norm of the update (a wrong learning rate, clip or gradient shows up as a ratio near 1)."""
+    start = dict(init.named_parameters())
+    expected = dict(ref.named_parameters())
+    off = []
+    for name, p in ours.named_parameters():
+        update = (expected[name] - start[name]).detach().float().norm()
+        diff = (p - expected[name]).detach().float().norm()
+        if diff > rtol * update or (update == 0 and diff > 0):
+            off.append(f"{name}: |ours - ref| = {diff:.3e}, |update| = {update:.3e}, ratio {diff / update:.2e}")
+    assert not off, f"parameters off by more than {rtol} of their update:\n" + "\n".join(off)

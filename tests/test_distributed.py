@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import _tiny as tiny
 
 pytestmark = pytest.mark.distributed
 
@@ -33,8 +36,15 @@ def _launch(launcher: list[str], out: Path, trainer: str) -> list[dict]:
     return [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(2)]
 
 
+def _free_port() -> str:
+    # a fixed port collides with any other run on the machine (EADDRINUSE)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 def _torchrun() -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
             str(SCRIPT)]
 
 
@@ -51,8 +61,8 @@ def _check(results: list[dict], reference: list[dict] | None) -> None:
         ours, ref = results[0]["logs"], reference[0]["logs"]
         assert len(ours) == len(ref) > 0
         for a, b in zip(ref, ours, strict=True):
-            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
-            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=tiny.LOGGED_LOSS_ABS)
+            assert b.get("grad_norm") == pytest.approx(a.get("grad_norm"), rel=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +79,6 @@ def test_ddp_accelerate_launch(tmp_path, reference_run):
     # `accelerate launch --cpu` starts several CPU processes only through mpirun; --multi_gpu uses
     # torch.distributed.run, and the script's use_cpu=True makes each process a gloo CPU rank.
     launcher = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
+                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", _free_port(),
                 str(SCRIPT)]
     _check(_launch(launcher, tmp_path, "fasttrain"), reference_run)

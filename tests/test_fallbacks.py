@@ -1,96 +1,220 @@
-"""Where a hot path cannot apply, the decision falls back to transformers with a reason (logged once).
+"""Where a hot path cannot apply, it falls back to transformers' own code, says why in the status, and logs it once.
 
-DeepSpeed itself does not run on this CPU machine; these tests pin the decisions the hooks take from the
-Trainer's and Accelerate's own flags, so a DeepSpeed or FSDP1 run falls back instead of going wrong.
+DeepSpeed and FSDP do not run on this CPU machine: the clip decisions for them are pinned on a real Trainer
+whose Accelerator flags are set by hand. Everything else runs end to end against transformers itself.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import types
 
+import pytest
 import torch
+import transformers
 from accelerate.utils import DistributedType
 
+import _tiny as tiny
+import fasttrain
 from fasttrain import FusedAdamW, HotPaths, integration
 
 
-def _trainer(**overrides):
-    model = torch.nn.Linear(4, 3)
-    optimizer = FusedAdamW(model.parameters(), lr=1e-3)
-    accelerator = types.SimpleNamespace(distributed_type=DistributedType.NO, scaler=None, is_fsdp2=False)
-    fields = dict(
-        args=types.SimpleNamespace(optim="adamw_torch_fused", deepspeed=None, max_grad_norm=1.0),
-        optimizer_cls_and_kwargs=None,
-        is_deepspeed_enabled=False,
-        hot_paths=HotPaths(),
-        optimizer=types.SimpleNamespace(optimizer=optimizer),  # as Accelerate wraps it
-        accelerator=accelerator,
-        model=model,
+def _trainer(tmp_path, cls=fasttrain.Trainer, model=None, **arg_overrides):
+    tok = tiny.tokenizer()
+    return cls(
+        model=model or tiny.model("llama"),
+        args=tiny.training_args(str(tmp_path), **{"max_steps": 2, **arg_overrides}),
+        train_dataset=tiny.dataset(with_length=True),
+        data_collator=transformers.DataCollatorForSeq2Seq(tok, padding=True),
+        processing_class=tok,
     )
-    fields.update(overrides)
-    return types.SimpleNamespace(**fields)
 
 
-def test_fused_clip_applies_on_a_plain_run():
-    trainer = _trainer()
-    fused, reason = integration._fused_clip_target(trainer, trainer.model)
-    assert fused is trainer.optimizer.optimizer and reason == ""
+@pytest.fixture
+def clip_decision(tmp_path):
+    """A Trainer holding a FusedAdamW, with Accelerator flags the test sets: (trainer, decide())."""
+    trainer = _trainer(tmp_path)
+    trainer.optimizer = types.SimpleNamespace(optimizer=FusedAdamW(trainer.model.parameters()))  # Accelerate's wrap
+    trainer.accelerator = types.SimpleNamespace(distributed_type=DistributedType.NO, scaler=None, is_fsdp2=False)
+    return trainer, lambda: integration._fused_clip_target(trainer, trainer.model)
 
 
-def test_deepspeed_keeps_its_own_clipping():
-    trainer = _trainer()
-    trainer.accelerator.distributed_type = DistributedType.DEEPSPEED
-    fused, reason = integration._fused_clip_target(trainer, trainer.model)
-    assert fused is None and "DeepSpeed" in reason
+def test_the_fused_clip_applies_on_a_plain_run(clip_decision):
+    trainer, decide = clip_decision
+    assert decide() is trainer.optimizer.optimizer
 
 
-def test_fsdp1_keeps_its_own_clipping_and_fsdp2_fuses():
-    trainer = _trainer()
-    trainer.accelerator.distributed_type = DistributedType.FSDP
-    assert integration._fused_clip_target(trainer, trainer.model)[0] is None
-    trainer.accelerator.is_fsdp2 = True
-    assert integration._fused_clip_target(trainer, trainer.model)[0] is not None
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [
+        (dict(distributed_type=DistributedType.DEEPSPEED), "DeepSpeed clips inside its engine"),
+        (dict(distributed_type=DistributedType.FSDP), "FSDP1 clips through its own wrapper"),
+        (dict(scaler=object()), "fp16 GradScaler: Accelerate unscales the gradients before clipping"),
+        (dict(distributed_type=DistributedType.XLA), "distributed type XLA is not supported by the fused clip"),
+    ],
+)
+def test_the_clip_falls_back_where_accelerate_clips_its_own_way(clip_decision, flags, reason):
+    trainer, decide = clip_decision
+    vars(trainer.accelerator).update(flags)
+    assert decide() is None
+    assert trainer.fasttrain_status["clip"] == f"off: {reason}"
 
 
-def test_grad_scaler_keeps_accelerates_clipping():
-    trainer = _trainer()
-    trainer.accelerator.scaler = object()
-    fused, reason = integration._fused_clip_target(trainer, trainer.model)
-    assert fused is None and "GradScaler" in reason
+def test_fsdp2_fuses_the_clip(clip_decision):
+    trainer, decide = clip_decision
+    vars(trainer.accelerator).update(distributed_type=DistributedType.FSDP, is_fsdp2=True)
+    assert decide() is trainer.optimizer.optimizer
 
 
-def test_parameters_outside_the_optimizer_keep_the_reference_clip():
-    trainer = _trainer(model=torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)))
-    fused, reason = integration._fused_clip_target(trainer, trainer.model)
-    assert fused is None and "does not update" in reason
+def test_parameters_outside_the_optimizer_keep_the_reference_clip(clip_decision):
+    trainer, decide = clip_decision
+    trainer.optimizer.optimizer = FusedAdamW(trainer.model.lm_head.parameters())
+    assert decide() is None
+    assert trainer.fasttrain_status["clip"] == "off: the model has gradients the optimizer does not update"
 
 
-def test_deepspeed_optimizer_section_is_left_alone(tmp_path):
-    config = tmp_path / "ds.json"
-    config.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}))
-    trainer = _trainer(is_deepspeed_enabled=True)
-    trainer.args.deepspeed = str(config)
-    assert "own optimizer section" in integration._optimizer_blocker(trainer)
-    config.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
-    assert "DeepSpeed" in integration._optimizer_blocker(trainer)
+class _GradNormProbe(transformers.TrainerCallback):
+    """Reads the gradients between the clip and the step, as a user's callback may."""
+
+    def __init__(self):
+        self.norms = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
 
 
-def test_other_optimizers_and_user_optimizers_are_kept():
-    trainer = _trainer()
-    assert integration._optimizer_blocker(trainer) is None
-    trainer.args.optim = "sgd"
-    assert "optim=sgd" in integration._optimizer_blocker(trainer)
-    trainer = _trainer(optimizer_cls_and_kwargs=(torch.optim.SGD, {}))
-    assert "optimizer_cls_and_kwargs" in integration._optimizer_blocker(trainer)
+def test_a_callback_reading_gradients_sees_them_clipped_as_under_transformers(tmp_path, caplog):
+    probes = []
+    for cls in (transformers.Trainer, fasttrain.Trainer):
+        trainer = _trainer(tmp_path / cls.__module__, cls, max_grad_norm=0.01)
+        probes.append(_GradNormProbe())
+        trainer.add_callback(probes[-1])
+        with caplog.at_level(logging.INFO, logger="fasttrain"):
+            trainer.train()
+    ref, ours = probes
+    assert ref.norms == pytest.approx([0.01] * 2, rel=1e-3)  # the probe does see clipped gradients
+    assert ours.norms == pytest.approx(ref.norms, rel=1e-5)
+    assert trainer.fasttrain_status["clip"] == (
+        "off: callback _GradNormProbe.on_pre_optimizer_step reads gradients between the clip and the step"
+        if tiny.FUSED_CLIP else tiny.all_on_status()["clip"]
+    )
+    assert trainer.fasttrain_status["optimizer"] == "on"
+    status_lines = [r for r in caplog.records if "fasttrain hot paths" in r.getMessage()]
+    assert len(status_lines) == 1 and status_lines[0].levelno == logging.WARNING
 
 
-def test_a_fallback_is_logged_once(caplog):
-    trainer = _trainer()
+@pytest.mark.skipif(not tiny.FUSED_CLIP, reason="this transformers has no Trainer._clip_grad_norm at all")
+def test_a_transformers_whose_private_clip_hook_changed_keeps_its_clip(tmp_path, monkeypatch):
+    # another transformers: the private method the fused clip hooks has another signature
+    clip_calls = []
+
+    def _clip_grad_norm(self, model, norm_type=2.0):
+        clip_calls.append(1)
+        return self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+
+    monkeypatch.setattr(transformers.Trainer, "_clip_grad_norm", _clip_grad_norm)
+    trainer = _trainer(tmp_path)
+    trainer.train()
+    assert trainer.fasttrain_status["clip"] == (
+        f"off: Trainer._clip_grad_norm in transformers {transformers.__version__} has another signature"
+    )
+    assert len(clip_calls) == 2 and trainer.fasttrain_status["optimizer"] == "on"
+
+
+def test_a_subclass_with_its_own_sampler_keeps_it(tmp_path):
+    class MySampling(transformers.Trainer):
+        def _get_train_sampler(self, train_dataset=None):
+            return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
+
+    fasttrain.patch()
+    try:
+        trainer = _trainer(tmp_path, MySampling, train_sampling_strategy="group_by_length")
+    finally:
+        fasttrain.unpatch()
+    trainer.train()
+    assert trainer.fasttrain_status["sampler"] == "off: MySampling overrides _get_train_sampler"
+
+
+def test_optimizer_blockers(tmp_path):
+    trainer = _trainer(tmp_path / "sgd", optim="sgd")
+    trainer.train()
+    assert trainer.fasttrain_status["optimizer"] == "off: optim=sgd is not an AdamW fasttrain replaces"
+    assert trainer.fasttrain_status["clip"] in (
+        "off: the optimizer is not fasttrain's FusedAdamW", tiny.all_on_status()["clip"]
+    )
+    assert type(trainer.optimizer.optimizer) is torch.optim.SGD
+
+    tok = tiny.tokenizer()
+    trainer = fasttrain.Trainer(
+        model=tiny.model("llama"), args=tiny.training_args(str(tmp_path / "given"), max_steps=1),
+        train_dataset=tiny.dataset(), data_collator=transformers.DataCollatorForSeq2Seq(tok, padding=True),
+        optimizer_cls_and_kwargs=(torch.optim.AdamW, {"lr": 1e-3}),
+    )
+    trainer.train()
+    assert trainer.fasttrain_status["optimizer"] == "off: the Trainer was given optimizer_cls_and_kwargs"
+    assert type(trainer.optimizer.optimizer) is torch.optim.AdamW
+
+    trainer = _trainer(tmp_path / "ds")
+    trainer.is_deepspeed_enabled = True  # DeepSpeed itself does not run here; its flag decides
+    assert integration._fused_adamw_kwargs(trainer, integration.seam_of(trainer), trainer.model) is None
+    assert trainer.fasttrain_status["optimizer"] == (
+        "off: DeepSpeed builds and wraps the optimizer itself (FusedAdamW is untested under ZeRO)"
+    )
+
+
+def test_optim_args_reach_fused_adamw(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTTRAIN_OPTIM_ARGS", "amsgrad=true,backend=triton")
+    args = tiny.training_args(str(tmp_path), optim_args="backend=torch, maximize=false")
+    assert integration.fused_adamw_options(args) == {"amsgrad": True, "backend": "torch", "maximize": False}
+    with pytest.raises(ValueError, match="does not understand 'betas2'"):
+        integration.fused_adamw_options(tiny.training_args(str(tmp_path), optim_args="betas2=0.9"))
+    with pytest.raises(ValueError, match="amsgrad='maybe'"):
+        integration.fused_adamw_options(tiny.training_args(str(tmp_path), optim_args="amsgrad=maybe"))
+    trainer = _trainer(tmp_path, optim_args="amsgrad=true")
+    trainer.train()
+    assert trainer.optimizer.optimizer.param_groups[0]["amsgrad"] is True
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.5])
+def test_status_line_is_info_when_nothing_fell_back(tmp_path, caplog, max_grad_norm):
+    # no grouping asked: the sampler is off, but nothing the user wanted fell back
+    if max_grad_norm and not tiny.FUSED_CLIP:
+        pytest.skip("the clip falls back on this transformers: a WARNING is right")
+    with caplog.at_level(logging.INFO, logger="fasttrain"):
+        _trainer(tmp_path, max_grad_norm=max_grad_norm).train()
+    lines = [r for r in caplog.records if r.name == "fasttrain"]
+    assert [r.levelno for r in lines] == [logging.INFO], [r.getMessage() for r in lines]
+    assert "sampler=off: group_by_length is not set" in lines[0].getMessage()
+
+
+def test_an_unsupported_model_is_reported_once(tmp_path, caplog):
+    config = transformers.GPT2Config(vocab_size=tiny.VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=64)
+    with caplog.at_level(logging.INFO, logger="fasttrain"):
+        trainer = _trainer(tmp_path, model=transformers.GPT2LMHeadModel(config))
+        trainer.train()
+    assert trainer.fasttrain_status["loss"].startswith("off: GPT2LMHeadModel is not a causal LM the fused loss knows")
+    mentions = [r for r in caplog.records if "GPT2LMHeadModel" in r.getMessage()]
+    assert len(mentions) == 1 and mentions[0].levelno == logging.WARNING
+
+
+def test_a_fallback_decided_after_the_status_line_is_logged_once(tmp_path, caplog):
+    trainer = _trainer(tmp_path)
+    trainer.train()
+    seam = integration.seam_of(trainer)
     with caplog.at_level(logging.WARNING, logger="fasttrain"):
         for _ in range(3):
-            integration._set(trainer, "clip", "off: a reason only this test gives")
-    lines = [r for r in caplog.records if "a reason only this test gives" in r.getMessage()]
-    assert len(lines) == 1
+            seam.off("clip", "a reason only this test gives")
+    assert len([r for r in caplog.records if "a reason only this test gives" in r.getMessage()]) == 1
     assert trainer.fasttrain_status["clip"] == "off: a reason only this test gives"
+
+
+def test_switched_off_paths_are_not_fallbacks(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="fasttrain"):
+        trainer = fasttrain.Trainer(
+            model=tiny.model("llama"), args=tiny.training_args(str(tmp_path), max_steps=1),
+            train_dataset=tiny.dataset(), data_collator=transformers.DataCollatorForSeq2Seq(tiny.tokenizer()),
+            hot_paths=HotPaths(optimizer=False),
+        )
+        trainer.train()
+    assert trainer.fasttrain_status["clip"] == "off: the optimizer hot path is switched off"
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "fasttrain")

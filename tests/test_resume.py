@@ -34,12 +34,9 @@ def _trainer(cls, out, **overrides):
 
 
 def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, rtol: float) -> None:
-    # Between FusedAdamW and torch AdamW, float rounding differs: the same 1e-5 relative / 1e-6 absolute
-    # tolerance as the per-step parity tests. The same implementation resumed must agree to rounding.
-    atol = 1e-7 if rtol <= 1e-6 else 1e-6
-    ref = dict(a.named_parameters())
-    for name, p in b.named_parameters():
-        torch.testing.assert_close(p, ref[name], rtol=rtol, atol=atol, msg=f"parameter {name}")
+    # Per tensor, relative to the change training made: FusedAdamW and torch AdamW round differently
+    # (1e-4 of the update); the same implementation resumed must agree to rounding (1e-5).
+    tiny.assert_same_updates(b, a, tiny.model("llama"), rtol)
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +51,14 @@ def test_resume_ends_on_the_same_weights(uninterrupted, tmp_path):
     out, full_model = uninterrupted
     resumed = _trainer(fasttrain.Trainer, tmp_path)
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
-    _assert_same_weights(full_model, resumed.model, rtol=1e-6)
+    _assert_same_weights(full_model, resumed.model, rtol=1e-5)
 
 
 def test_fasttrain_checkpoint_resumes_in_the_reference_trainer(uninterrupted, tmp_path):
     out, full_model = uninterrupted
     ref = _trainer(transformers.Trainer, tmp_path)
     ref.train(resume_from_checkpoint=str(out / "checkpoint-3"))
-    _assert_same_weights(full_model, ref.model, rtol=1e-5)
+    _assert_same_weights(full_model, ref.model, rtol=1e-4)
 
 
 def test_reference_checkpoint_resumes_in_fasttrain(tmp_path):
@@ -71,7 +68,7 @@ def test_reference_checkpoint_resumes_in_fasttrain(tmp_path):
     ours.train(resume_from_checkpoint=str(tmp_path / "ref" / "checkpoint-3"))
     assert ours.fasttrain_status["optimizer"] == "on"
     # the run that continues the reference's checkpoint is compared with the reference's own continuation
-    _assert_same_weights(ref.model, ours.model, rtol=1e-5)
+    _assert_same_weights(ref.model, ours.model, rtol=1e-4)
 
 
 def test_optimizer_state_loads_into_torch_adamw(uninterrupted, tmp_path):

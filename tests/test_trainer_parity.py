@@ -8,7 +8,6 @@ labels and group_by_length included); the final weights within the same toleranc
 from __future__ import annotations
 
 import pytest
-import torch
 import transformers
 
 import _tiny as tiny
@@ -16,6 +15,7 @@ import fasttrain
 from fasttrain.hot_paths import HotPaths
 
 RTOL = 1e-5
+UPDATE_RTOL = 1e-4  # measured ~1e-6: the fused loss sums its chunks in another order
 
 
 def _train(trainer_cls, kind: str, tmp_path, collator=None, hot_paths=None, **arg_overrides):
@@ -34,15 +34,10 @@ def _train(trainer_cls, kind: str, tmp_path, collator=None, hot_paths=None, **ar
     return trainer
 
 
-def _compare(ref, ours, rtol=RTOL):
-    ref_logs, our_logs = tiny.step_logs(ref), tiny.step_logs(ours)
-    assert len(ref_logs) == len(our_logs) == ref.args.max_steps
-    for step, (a, b) in enumerate(zip(ref_logs, our_logs, strict=True), start=1):
-        assert b["loss"] == pytest.approx(a["loss"], rel=rtol), f"loss differs at step {step}"
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rtol), f"grad_norm differs at step {step}"
-    ref_params = dict(ref.model.named_parameters())
-    for name, p in ours.model.named_parameters():
-        torch.testing.assert_close(p, ref_params[name], rtol=rtol, atol=1e-6, msg=f"parameter {name}")
+def _compare(ref, ours, kind="llama", rtol=RTOL, update_rtol=UPDATE_RTOL):
+    assert len(tiny.step_logs(ref)) == ref.args.max_steps
+    tiny.assert_same_logs(ref, ours, rtol)
+    tiny.assert_same_updates(ours.model, ref.model, tiny.model(kind), update_rtol)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -50,13 +45,8 @@ def test_fp32_parity_every_step(kind, tmp_path):
     common = dict(train_sampling_strategy="group_by_length")
     ref = _train(transformers.Trainer, kind, tmp_path, **common)
     ours = _train(fasttrain.Trainer, kind, tmp_path, **common)
-    _compare(ref, ours)
-    status = ours.fasttrain_status
-    assert status["collator"] == "on", status
-    assert status["sampler"] == "on", status
-    assert status["optimizer"] == "on", status
-    assert status["clip"] == "on", status
-    assert status["loss"] == "on", status
+    _compare(ref, ours, kind)
+    assert ours.fasttrain_status == tiny.all_on_status()
 
 
 def test_no_clipping_and_random_sampler(tmp_path):
@@ -64,14 +54,15 @@ def test_no_clipping_and_random_sampler(tmp_path):
     ref = _train(transformers.Trainer, "llama", tmp_path, **common)
     ours = _train(fasttrain.Trainer, "llama", tmp_path, **common)
     _compare(ref, ours)
-    assert ours.fasttrain_status["sampler"].startswith("off")
+    assert ours.fasttrain_status["sampler"] == "off: group_by_length is not set"
+    assert ours.fasttrain_status["clip"] in ("off: max_grad_norm=0.0: no clipping", tiny.all_on_status()["clip"])
 
 
 def test_every_hot_path_switched_off_is_the_reference(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTTRAIN_DISABLE", "all")
     ref = _train(transformers.Trainer, "llama", tmp_path)
     ours = _train(fasttrain.Trainer, "llama", tmp_path)
-    _compare(ref, ours, rtol=0)
+    _compare(ref, ours, rtol=0, update_rtol=0)
     assert all(v == "off: switched off" for v in ours.fasttrain_status.values()), ours.fasttrain_status
 
 
@@ -80,9 +71,10 @@ def test_each_hot_path_switches_off_alone(off, tmp_path):
     paths = HotPaths(**{off: False})
     ours = _train(fasttrain.Trainer, "llama", tmp_path, hot_paths=paths, max_steps=2,
                   train_sampling_strategy="group_by_length")
-    status = ours.fasttrain_status
-    assert status[off] == "off: switched off"
-    assert all(v == "on" for k, v in status.items() if k != off and not (off == "optimizer" and k == "clip")), status
+    expected = {**tiny.all_on_status(), off: "off: switched off"}
+    if off == "optimizer":
+        expected["clip"] = "off: the optimizer hot path is switched off"
+    assert ours.fasttrain_status == expected
 
 
 def test_bf16_close_to_reference(tmp_path):
@@ -104,7 +96,9 @@ def test_user_collate_function_is_kept(tmp_path):
 
     ours = _train(fasttrain.Trainer, "llama", tmp_path, collator=collate, max_steps=1)
     assert ours.data_collator is collate
-    assert ours.fasttrain_status["collator"].startswith("off: ")
+    assert ours.fasttrain_status["collator"] == (
+        "off: test_trainer_parity.test_user_collate_function_is_kept.<locals>.collate has no native equivalent"
+    )
 
 
 def test_prediction_loss_only_evaluation_matches(tmp_path, monkeypatch):
@@ -166,9 +160,7 @@ def test_model_init_and_gradient_checkpointing(tmp_path):
     from fasttrain.loss.model_patch import fused_loss_enabled
 
     assert fused_loss_enabled(ours.model)
-    for a, b in zip(tiny.step_logs(ref), tiny.step_logs(ours), strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=RTOL)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=RTOL)
+    tiny.assert_same_logs(ref, ours, RTOL)
 
 
 @pytest.mark.slow

@@ -1,376 +1,485 @@
-"""The hot paths as Trainer hooks, shared by ``fasttrain.Trainer`` and ``fasttrain.patch()``.
+"""The one seam between fasttrain and a ``transformers.Trainer``: ``apply(trainer, hot_paths)``.
 
-Each hook takes the original (unpatched) bound method as its first argument and decides, per trainer
-instance, whether the fasttrain path applies; where it does not, it calls the original and records why in
-``trainer.fasttrain_status``. ``fasttrain.Trainer`` calls them from its overrides (original = ``super()``'s
-method), ``patch()`` installs them on ``transformers.Trainer`` itself (original = the saved function). A
-hook is a no-op on a trainer that another hook layer already handled, so ``fasttrain.Trainer`` under
-``patch()`` is not accelerated twice.
+``fasttrain.Trainer.__init__`` and the ``__init__`` that ``fasttrain.patch()`` wraps call ``apply`` once, after the
+Trainer's own ``__init__``; nothing else of fasttrain touches the Trainer. It uses public extension points:
 
-Status values: ``"on"``, ``"off: <reason>"`` (switched off or not applicable), and ``"pending"`` before the
-path had its first chance to run. One log line at train start lists them all.
+- collator: ``trainer.data_collator`` becomes the Rust equivalent of a transformers (or TRL) collator;
+- optimizer: the trainer's ``create_optimizer`` (a documented override point) hands ``FusedAdamW`` to the
+  Trainer through ``optimizer_cls_and_kwargs``, with the kwargs transformers itself derives from the arguments at
+  that moment (hyperparameter search changes them per trial);
+- loss: the model's forward, per instance (``model_init`` wrapped so a rebuilt model gets it too), and
+  ``prediction_step`` so a loss-only evaluation takes the fused path;
+
+and private Trainer methods only where no public point exists, each checked against the signature it expects
+(a different transformers keeps its own code, and the status says why):
+
+- sampler: ``_get_train_sampler`` (the length-grouped sampler);
+- clip: ``_clip_grad_norm`` / ``_get_grad_norm`` (the norm in one pass; the clip applied inside the next step).
+
+Overrides are instance attributes calling the class's own method (a subclass's override runs as before);
+they hold the trainer weakly. The Trainer's callbacks, arguments, logs and checkpoints are not touched.
+
+Status is true by construction: ``trainer.fasttrain_status`` maps each path to ``"on"`` only once evidence shows
+it ran (FusedAdamW stepped, a deferred clip was applied, the fused loss ran, the Rust collator is the one the
+Trainer's loaders call, the Rust sampler was iterated); until then ``"off: <why>"``. It is settled, and logged in
+one line (INFO, or WARNING when a path the user wanted fell back), after the first optimizer step.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
+import inspect
+import logging
+import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
+import transformers
 
 from ._logging import log_once, logger
 from .hot_paths import HotPaths
 
 _ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
-
-# set by patch(): the hot paths for trainers that were not built by fasttrain.Trainer
-patched_hot_paths: HotPaths | None = None
+NOT_RUN = "off: has not run yet"
 
 
-# ---------------------------------------------------------------------------------------------------------
-# per-instance bookkeeping
+class _Seam:
+    """What fasttrain did to one trainer: the paths asked for, the status, and where to look for evidence."""
+
+    def __init__(self, trainer: Any, paths: HotPaths) -> None:
+        self.paths = paths
+        self.status: dict[str, str] = {
+            name: NOT_RUN if getattr(paths, name) else "off: switched off" for name in HotPaths.names()
+        }
+        self.trainer = weakref.ref(trainer)
+        self.fallbacks: set[str] = set()  # paths the user wanted that could not run
+        self.sampler: Any = None  # the Rust sampler we built (weakly referenced by the loader anyway)
+        self.logged = False
+
+    def off(self, name: str, reason: str, fallback: bool = True) -> None:
+        """Record why ``name`` does not run; ``fallback`` when the user asked for it and it could apply."""
+        if getattr(self.paths, name) and fallback:
+            if self.logged:  # decided after the status line: say it now
+                log_once(f"fallback:{name}:{reason}", f"fasttrain: the {name} hot path falls back ({reason})")
+            self.fallbacks.add(name)
+        self.status[name] = f"off: {reason}"
 
 
-def hot_paths_of(trainer: Any) -> HotPaths:
-    paths = getattr(trainer, "hot_paths", None)
-    if not isinstance(paths, HotPaths):
-        paths = HotPaths.from_env(patched_hot_paths)
-        trainer.hot_paths = paths
-    return paths
+def seam_of(trainer: Any) -> _Seam:
+    return trainer.__dict__["_fasttrain_seam"]
 
 
-def status_of(trainer: Any) -> dict[str, str]:
-    status = getattr(trainer, "fasttrain_status", None)
-    if not isinstance(status, dict):
-        status = {}
-        trainer.fasttrain_status = status
-    paths = hot_paths_of(trainer)
-    for name in HotPaths.names():
-        if name not in status:
-            status[name] = "pending" if getattr(paths, name) else "off: switched off"
-    return status
+def apply(trainer: Any, hot_paths: HotPaths | None = None) -> None:
+    """Switch fasttrain's hot paths on for ``trainer`` (once, right after ``Trainer.__init__``)."""
+    seam = _Seam(trainer, HotPaths.from_env(hot_paths))
+    trainer.__dict__["_fasttrain_seam"] = seam
+    trainer.hot_paths = seam.paths
+    trainer.fasttrain_status = seam.status
+    _override(trainer, "create_optimizer", _create_optimizer)  # also settles the status after one step
+    if seam.paths.collator:
+        _swap_collator(trainer, seam)
+    if seam.paths.sampler:
+        _arm_sampler(trainer, seam)
+    if seam.paths.clip:
+        _arm_clip(trainer, seam)
+    if seam.paths.loss:
+        _arm_loss(trainer, seam)
 
 
-def _set(trainer: Any, name: str, value: str) -> None:
-    status = status_of(trainer)
-    previous = status.get(name)
-    status[name] = value
-    if value.startswith("off") and previous != value and getattr(hot_paths_of(trainer), name):
-        log_once(f"fallback:{name}:{value}", f"fasttrain: {name} hot path falls back to transformers ({value[5:]})")
+def _override(trainer: Any, name: str, hook: Callable[..., Any]) -> None:
+    """``trainer.<name>(...)`` becomes ``hook(trainer, <the class's bound method>, ...)``."""
+    method = getattr(type(trainer), name)
+    ref = weakref.ref(trainer)
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        this = ref()
+        return hook(this, method.__get__(this), *args, **kwargs)
+
+    trainer.__dict__[name] = call
 
 
-@contextlib.contextmanager
-def _once(trainer: Any, hook: str) -> Iterator[bool]:
-    """Yields True for the outermost hook layer only (fasttrain.Trainer under patch() nests two)."""
-    flag = f"_fasttrain_in_{hook}"
-    if getattr(trainer, flag, False):
-        yield False
+def _private_hook_problem(trainer: Any, name: str, parameters: tuple[str, ...]) -> str | None:
+    """Why the private ``Trainer.<name>`` cannot be hooked here (None when it can)."""
+    reference = getattr(transformers.Trainer, name, None)
+    if reference is None:
+        return f"transformers {transformers.__version__} has no Trainer.{name}"
+    if tuple(inspect.signature(reference).parameters)[1:] != parameters:
+        return f"Trainer.{name} in transformers {transformers.__version__} has another signature"
+    owner = next(c for c in type(trainer).__mro__ if name in c.__dict__)
+    if owner is not transformers.Trainer:
+        return f"{owner.__name__} overrides {name}"
+    return None
+
+
+def _settle(seam: _Seam, optimizer: Any) -> None:
+    """After the first optimizer step: every path has had its chance to run. Read the evidence, log one line."""
+    trainer = seam.trainer()
+    if trainer is None or seam.logged:
         return
-    setattr(trainer, flag, True)
-    try:
-        yield True
-    finally:
-        setattr(trainer, flag, False)
+    from .optim import FusedAdamW
 
-
-def log_summary(trainer: Any) -> None:
-    status = status_of(trainer)
+    status = seam.status
+    if status["optimizer"] == NOT_RUN:
+        if isinstance(optimizer, FusedAdamW):
+            status["optimizer"] = "on"
+        else:
+            seam.off("optimizer", f"the Trainer's optimizer is {type(optimizer).__qualname__}, given or built by it")
+    if status["clip"] == NOT_RUN:
+        if isinstance(optimizer, FusedAdamW) and optimizer.deferred_clips_applied:
+            status["clip"] = "on"
+        else:
+            seam.off("clip", "the Trainer did not clip through _clip_grad_norm")
+    if status["loss"] == NOT_RUN:
+        if _fused_loss_calls(trainer):
+            status["loss"] = "on"
+        else:
+            seam.off("loss", "no training forward took the fused path (no labels?)")
+    if status["collator"] == NOT_RUN:
+        status["collator"] = "on"  # the Trainer's loaders call trainer.data_collator, which is ours
+    if status["sampler"] == NOT_RUN:
+        if seam.sampler is not None and seam.sampler.iterations_started:
+            status["sampler"] = "on"
+        else:
+            seam.off("sampler", "the Trainer built no length-grouped sampler")
+    seam.logged = True
     line = ", ".join(f"{name}={value}" for name, value in status.items())
-    logger.warning("fasttrain hot paths: %s", line)
+    level = logging.WARNING if seam.fallbacks else logging.INFO
+    logger.log(level, "fasttrain hot paths: %s", line)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # collator
 
 
-def swap_collator(trainer: Any) -> None:
-    """After ``__init__``: replace a transformers collator by its Rust equivalent (a user's own is kept)."""
-    if not hot_paths_of(trainer).collator:
-        return _set(trainer, "collator", "off: switched off")
+def _swap_collator(trainer: Any, seam: _Seam) -> None:
     from .data.collators import native_equivalent
 
     current = trainer.data_collator
-    if getattr(type(current), "__module__", "").startswith("fasttrain."):
-        return _set(trainer, "collator", "on")
+    if type(current).__module__.startswith("fasttrain."):
+        return  # already ours ("on" once the Trainer's loaders run it)
     native = native_equivalent(current)
     if native is None:
-        name = getattr(type(current), "__qualname__", None) or getattr(current, "__name__", repr(current))
-        return _set(trainer, "collator", f"off: {name} has no native equivalent")
+        cls = current if inspect.isfunction(current) else type(current)
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if getattr(current, "mlm", False):
+            seam.off("collator", f"{name} with mlm=True (masked-LM collation) stays with transformers")
+        else:
+            seam.off("collator", f"{name} has no native equivalent", fallback=False)
+        return
     trainer.data_collator = native
-    _set(trainer, "collator", "on")
 
 
 # ---------------------------------------------------------------------------------------------------------
 # sampler
 
 
-def train_sampler(original: Callable[..., Any], trainer: Any, train_dataset: Any = None) -> Any:
-    with _once(trainer, "sampler") as outer:
-        if not outer:
-            return original(train_dataset)
-        args = trainer.args
-        if not hot_paths_of(trainer).sampler:
-            _set(trainer, "sampler", "off: switched off")
-            return original(train_dataset)
-        if getattr(args, "train_sampling_strategy", None) != "group_by_length" and not getattr(
-            args, "group_by_length", False
-        ):
-            _set(trainer, "sampler", "off: group_by_length is not set")
-            return original(train_dataset)
-        dataset = trainer.train_dataset if train_dataset is None else train_dataset
-        from transformers.trainer_utils import has_length
-
-        if dataset is None or not has_length(dataset):
-            _set(trainer, "sampler", "off: the training dataset has no length")
-            return original(train_dataset)
-
-        from .data.sampler import LengthGroupedSampler
-
-        model_input_name = None
-        processing_class = getattr(trainer, "processing_class", None)
-        if processing_class is not None and getattr(processing_class, "model_input_names", None):
-            model_input_name = processing_class.model_input_names[0]
-        lengths = _lengths_before_column_removal(trainer, dataset, model_input_name or "input_ids")
-        _set(trainer, "sampler", "on")
-        return LengthGroupedSampler(
-            args.train_batch_size * args.gradient_accumulation_steps,
-            dataset=dataset,
-            lengths=lengths,
-            model_input_name=model_input_name,
-        )
+def _grouping_asked(args: Any) -> bool:
+    return getattr(args, "train_sampling_strategy", None) == "group_by_length" or bool(
+        getattr(args, "group_by_length", False)
+    )
 
 
-def _lengths_before_column_removal(trainer: Any, dataset: Any, model_input_name: str) -> Any:
-    """The Trainer drops unused columns (``length`` too) before it builds the sampler: read the length
-    column from the dataset it was given, and otherwise the token lists' Arrow offsets of what is left."""
+def _arm_sampler(trainer: Any, seam: _Seam) -> None:
+    if not _grouping_asked(trainer.args):
+        seam.off("sampler", "group_by_length is not set", fallback=False)
+        return
+    problem = _private_hook_problem(trainer, "_get_train_sampler", ("train_dataset",))
+    if problem is not None:
+        seam.off("sampler", problem)
+        return
+    _override(trainer, "_get_train_sampler", _train_sampler)
+
+
+def _train_sampler(trainer: Any, original: Callable[..., Any], train_dataset: Any = None) -> Any:
+    seam = seam_of(trainer)
+    dataset = trainer.train_dataset if train_dataset is None else train_dataset
+    from transformers.trainer_utils import has_length
+
+    if not _grouping_asked(trainer.args) or dataset is None or not has_length(dataset):
+        return original(train_dataset)
     from .data.lengths import lengths_from_dataset
+    from .data.sampler import LengthGroupedSampler
 
-    column = getattr(trainer.args, "length_column_name", "length")
-    original = trainer.train_dataset
-    names = getattr(original, "column_names", None)
-    if names is not None and column in names and len(original) == len(dataset):
-        return lengths_from_dataset(original, model_input_name, length_column=column)
-    return lengths_from_dataset(dataset, model_input_name, length_column=column)
+    processing_class = getattr(trainer, "processing_class", None)
+    names = getattr(processing_class, "model_input_names", None)
+    model_input_name = names[0] if names else None
+    # The Trainer drops unused columns (`length` too) before it builds the sampler: read the length column
+    # from the dataset it was given when it is the same rows, else the token lists' Arrow offsets.
+    column = trainer.args.length_column_name
+    given = trainer.train_dataset
+    source = given if column in getattr(given, "column_names", ()) and len(given) == len(dataset) else dataset
+    lengths = lengths_from_dataset(source, model_input_name or "input_ids", length_column=column)
+    seam.sampler = LengthGroupedSampler(
+        trainer.args.train_batch_size * trainer.args.gradient_accumulation_steps,
+        dataset=dataset,
+        lengths=lengths,
+        model_input_name=model_input_name,
+    )
+    return seam.sampler
 
 
 # ---------------------------------------------------------------------------------------------------------
-# optimizer and fused clipping
+# optimizer
 
 
-def create_optimizer(original: Callable[..., Any], trainer: Any, model: Any = None) -> Any:
-    with _once(trainer, "optimizer") as outer:
-        if not outer or trainer.optimizer is not None:
-            return original(model)
-        args = trainer.args
-        reason = _optimizer_blocker(trainer)
-        if reason is not None:
-            _set(trainer, "optimizer", f"off: {reason}")
-            return original(model)
+def _create_optimizer(trainer: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    seam = seam_of(trainer)
+    model = (args[0] if args else kwargs.get("model")) or trainer.model
+    fused_kwargs = _fused_adamw_kwargs(trainer, seam, model) if trainer.optimizer is None else None
+    if fused_kwargs is None:
+        optimizer = original(*args, **kwargs)
+    else:
         from .optim import FusedAdamW
 
-        cls, kwargs = trainer.get_optimizer_cls_and_kwargs(args, trainer.model if model is None else model)
-        if cls is FusedAdamW:  # the handler table is patched: nothing to swap
-            _set(trainer, "optimizer", "on")
-            return original(model)
-        if cls is not torch.optim.AdamW:
-            _set(trainer, "optimizer", f"off: optim={args.optim} resolved to {cls!r}")
-            return original(model)
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("fused", "foreach")}
-        saved = trainer.optimizer_cls_and_kwargs
-        trainer.optimizer_cls_and_kwargs = (FusedAdamW, kwargs)
+        trainer.optimizer_cls_and_kwargs = (FusedAdamW, fused_kwargs)
         try:
-            optimizer = original(model)
+            optimizer = original(*args, **kwargs)
         finally:
-            trainer.optimizer_cls_and_kwargs = saved
-        _set(trainer, "optimizer", "on")
-        return optimizer
+            trainer.optimizer_cls_and_kwargs = None
+    if optimizer is not None and not seam.logged:
+        _settle_after_first_step(seam, optimizer)
+    return optimizer
 
 
-def _optimizer_blocker(trainer: Any) -> str | None:
-    if not hot_paths_of(trainer).optimizer:
-        return "switched off"
+def _fused_adamw_kwargs(trainer: Any, seam: _Seam, model: Any) -> dict[str, Any] | None:
+    """FusedAdamW's kwargs for the AdamW the Trainer would build now, or None (the reason in the status)."""
+    if not seam.paths.optimizer:
+        return None
     args = trainer.args
+    optim = str(getattr(args.optim, "value", args.optim))
+    reason, fallback = None, True
     if trainer.optimizer_cls_and_kwargs is not None:
-        return "the Trainer was given optimizer_cls_and_kwargs"
-    if str(getattr(args.optim, "value", args.optim)) not in _ADAMW_OPTIMS:
-        return f"optim={getattr(args.optim, 'value', args.optim)} is not an AdamW fasttrain replaces"
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        from .optim.handler import is_deepspeed_optimizer_configured
-
-        if is_deepspeed_optimizer_configured(args):
-            return "the DeepSpeed config has its own optimizer section"
-        # ZeRO wraps the client optimizer around its flat fp32 partitions: not tested with FusedAdamW
-        return "DeepSpeed: the client optimizer stays torch's AdamW (FusedAdamW is untested under ZeRO)"
-    return None
-
-
-def find_fused_adamw(optimizer: Any) -> Any:
-    """The FusedAdamW under Accelerate's (and others') optimizer wrappers, or None."""
-    from .optim import FusedAdamW
-
-    seen = 0
-    while optimizer is not None and seen < 8:
-        if isinstance(optimizer, FusedAdamW):
-            return optimizer
-        optimizer = getattr(optimizer, "optimizer", None)
-        seen += 1
-    return None
+        reason, fallback = "the Trainer was given optimizer_cls_and_kwargs", False
+    elif optim not in _ADAMW_OPTIMS:
+        reason, fallback = f"optim={optim} is not an AdamW fasttrain replaces", False
+    elif getattr(trainer, "is_deepspeed_enabled", False):
+        reason = "DeepSpeed builds and wraps the optimizer itself (FusedAdamW is untested under ZeRO)"
+    else:
+        cls, kwargs = trainer.get_optimizer_cls_and_kwargs(args, model)
+        if cls is not torch.optim.AdamW:
+            reason = f"optim={optim} resolved to {cls.__module__}.{cls.__qualname__}"
+    if reason is not None:
+        seam.off("optimizer", reason, fallback)
+        return None
+    # lr, betas and eps as transformers derives them; weight decay comes with the Trainer's parameter groups
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("fused", "foreach")}
+    return {**kwargs, **fused_adamw_options(args)}
 
 
-def clip_grad_norm(original: Callable[..., Any], trainer: Any, model: Any) -> Any:
-    """``Trainer._clip_grad_norm``: the norm in one pass, the clip applied inside the next AdamW step."""
-    with _once(trainer, "clip") as outer:
-        if not outer:
-            return original(model)
-        fused, reason = _fused_clip_target(trainer, model)
-        if fused is None:
-            _set(trainer, "clip", f"off: {reason}")
-            return original(model)
-        _set(trainer, "clip", "on")
-        return fused.defer_clip_grad_norm_(trainer.args.max_grad_norm)
+def _settle_after_first_step(seam: _Seam, optimizer: torch.optim.Optimizer) -> None:
+    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        handle.remove()
+        _settle(seam, opt)
+
+    handle = optimizer.register_step_post_hook(hook)
 
 
-def grad_norm(original: Callable[..., Any], trainer: Any, model: Any, grad_norm: Any = None) -> Any:
-    """``Trainer._get_grad_norm`` without clipping (max_grad_norm=0): the norm pass alone, no rescaling."""
-    with _once(trainer, "grad_norm") as outer:
-        if not outer or grad_norm is not None:
-            return original(model, grad_norm=grad_norm)
-        fused, _ = _fused_clip_target(trainer, model)
-        if fused is None:
-            return original(model, grad_norm=grad_norm)
-        return original(model, grad_norm=fused.defer_clip_grad_norm_(float("inf")))
+# FusedAdamW options a user can set without touching the script: `--optim_args "state_dtype=8bit"` (or
+# TrainingArguments(optim_args=...)), or FASTTRAIN_OPTIM_ARGS in the environment (optim_args wins).
+_OPTION_PARSERS: dict[str, Callable[[str], Any]] = {
+    "state_dtype": lambda v: {"none": None, "param": None, "float32": torch.float32, "fp32": torch.float32}.get(
+        v.lower(), v
+    ),
+    "bf16_stochastic_rounding": lambda v: _parse_bool(v),
+    "amsgrad": lambda v: _parse_bool(v),
+    "maximize": lambda v: _parse_bool(v),
+    "backend": str,
+}
 
 
-def _fused_clip_target(trainer: Any, model: Any) -> tuple[Any, str]:
-    if not hot_paths_of(trainer).clip:
-        return None, "switched off"
-    fused = find_fused_adamw(trainer.optimizer)
+def _parse_bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{value!r} is not a boolean (true/false)")
+
+
+def _split_options(text: str | None, where: str) -> dict[str, str]:
+    options = {}
+    for item in (text or "").replace(" ", "").split(","):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{where}: {item!r} is not key=value")
+        options[key] = value
+    return options
+
+
+def fused_adamw_options(args: Any) -> dict[str, Any]:
+    """FusedAdamW keyword arguments from ``FASTTRAIN_OPTIM_ARGS`` and ``args.optim_args`` (a ValueError names
+    a key FusedAdamW does not understand or a value it cannot read)."""
+    raw = {**_split_options(os.environ.get("FASTTRAIN_OPTIM_ARGS"), "FASTTRAIN_OPTIM_ARGS")}
+    raw.update(_split_options(getattr(args, "optim_args", None), "optim_args"))
+    options = {}
+    for key, value in raw.items():
+        parse = _OPTION_PARSERS.get(key)
+        if parse is None:
+            raise ValueError(
+                f"optim_args: FusedAdamW (optim={args.optim!r}) does not understand {key!r}; known: "
+                f"{', '.join(_OPTION_PARSERS)} (or switch the optimizer hot path off: FASTTRAIN_DISABLE=optimizer)"
+            )
+        try:
+            options[key] = parse(value)
+        except ValueError as err:
+            raise ValueError(f"optim_args: {key}={value!r}: {err}") from None
+    return options
+
+
+# ---------------------------------------------------------------------------------------------------------
+# clipping
+
+
+def _arm_clip(trainer: Any, seam: _Seam) -> None:
+    clipping = bool(trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0)
+    if not seam.paths.optimizer:
+        seam.off("clip", "the optimizer hot path is switched off", fallback=False)
+        return
+    problem = _private_hook_problem(trainer, "_clip_grad_norm", ("model",)) or _private_hook_problem(
+        trainer, "_get_grad_norm", ("model", "grad_norm")
+    )
+    if problem is not None:
+        seam.off("clip", problem, fallback=clipping)
+        return
+    if not clipping:
+        # no clipping asked: the norm the Trainer logs still comes from the one-pass kernel (_get_grad_norm)
+        seam.off("clip", f"max_grad_norm={trainer.args.max_grad_norm}: no clipping", fallback=False)
+    _override(trainer, "_clip_grad_norm", _clip_grad_norm)
+    _override(trainer, "_get_grad_norm", _get_grad_norm)
+
+
+def _clip_grad_norm(trainer: Any, original: Callable[..., Any], model: Any) -> Any:
+    """The norm in one pass; the clip applied inside the next FusedAdamW step (no pass over the gradients)."""
+    fused = _fused_clip_target(trainer, model)
     if fused is None:
-        return None, "the optimizer is not fasttrain's FusedAdamW"
+        return original(model)
+    return fused.defer_clip_grad_norm_(trainer.args.max_grad_norm)
+
+
+def _get_grad_norm(trainer: Any, original: Callable[..., Any], model: Any, grad_norm: Any = None) -> Any:
+    """Without clipping (max_grad_norm=0) the Trainer still logs the norm: compute it in one pass."""
+    if grad_norm is None:
+        fused = _fused_clip_target(trainer, model)
+        if fused is not None:
+            grad_norm = fused.defer_clip_grad_norm_(float("inf"))
+    return original(model, grad_norm=grad_norm)
+
+
+def _fused_clip_target(trainer: Any, model: Any) -> Any:
+    """The FusedAdamW whose next step can apply the clip, or None (the reason recorded in the status)."""
     from accelerate.utils import DistributedType
 
+    from .optim import FusedAdamW
+
+    seam = seam_of(trainer)
+    optimizer = trainer.optimizer
+    while optimizer is not None and not isinstance(optimizer, FusedAdamW):
+        optimizer = getattr(optimizer, "optimizer", None)  # Accelerate's (and others') wrappers
     accelerator = trainer.accelerator
     kind = accelerator.distributed_type
-    if kind == DistributedType.DEEPSPEED:
-        return None, "DeepSpeed clips inside its engine"
-    if kind == DistributedType.FSDP and not getattr(accelerator, "is_fsdp2", False):
-        return None, "FSDP1 clips through its own wrapper"
-    if kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP):
-        return None, f"distributed type {kind} is not supported by the fused clip"
-    if getattr(accelerator, "scaler", None) is not None:
-        return None, "fp16 GradScaler: gradients are unscaled by Accelerate before clipping"
-    has_mixed = getattr(trainer, "_has_mixed_mesh_grads", None)
-    if callable(has_mixed) and has_mixed(model):
-        return None, "gradients on several device meshes"
-    if not _optimizer_covers_all_grads(fused, model):
-        return None, "the model has gradients the optimizer does not update"
-    return fused, ""
+    reader = _gradient_reading_callback(trainer)
+    reason, fallback = None, True
+    if optimizer is None:
+        reason, fallback = "the optimizer is not fasttrain's FusedAdamW", seam.paths.optimizer
+    elif reader is not None:
+        reason = f"callback {reader} reads gradients between the clip and the step"
+    elif kind == DistributedType.DEEPSPEED:
+        reason = "DeepSpeed clips inside its engine"
+    elif kind == DistributedType.FSDP and not getattr(accelerator, "is_fsdp2", False):
+        reason = "FSDP1 clips through its own wrapper"
+    elif kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP):
+        reason = f"distributed type {getattr(kind, 'value', kind)} is not supported by the fused clip"
+    elif getattr(accelerator, "scaler", None) is not None:
+        reason = "fp16 GradScaler: Accelerate unscales the gradients before clipping"
+    elif callable(getattr(trainer, "_has_mixed_mesh_grads", None)) and trainer._has_mixed_mesh_grads(model):
+        reason = "gradients on several device meshes"
+    elif not _optimizer_covers_all_grads(optimizer, model):
+        reason = "the model has gradients the optimizer does not update"
+    if reason is not None:
+        if trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0:
+            seam.off("clip", reason, fallback)
+        return None
+    return optimizer
+
+
+def _gradient_reading_callback(trainer: Any) -> str | None:
+    """A callback that may look at the gradients after the clip (they stay unclipped until the step)."""
+    base = transformers.TrainerCallback
+    for callback in trainer.callback_handler.callbacks:
+        cls = type(callback)
+        for event in ("on_pre_optimizer_step", "on_optimizer_step"):
+            if getattr(cls, event, None) is not getattr(base, event):
+                return f"{cls.__name__}.{event}"
+    return None
 
 
 def _optimizer_covers_all_grads(optimizer: Any, model: Any) -> bool:
     # The Trainer clips model.parameters(); the fused norm runs over the optimizer's parameters. They agree
-    # when every parameter with a gradient is one the optimizer updates (checked once: the sets are static).
-    cached = getattr(optimizer, "_fasttrain_covers_model", None)
-    if cached is not None:
-        return cached
-    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    covered = all(id(p) in owned for p in model.parameters() if p.requires_grad)
-    optimizer._fasttrain_covers_model = covered
-    return covered
+    # when every trainable parameter is one the optimizer updates (checked once: the sets are static).
+    cached = optimizer.__dict__.get("_fasttrain_covers_model")
+    if cached is None:
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        cached = all(id(p) in owned for p in model.parameters() if p.requires_grad)
+        optimizer.__dict__["_fasttrain_covers_model"] = cached
+    return cached
 
 
 # ---------------------------------------------------------------------------------------------------------
 # loss
 
 
-def ensure_fused_loss(trainer: Any) -> None:
-    """Before the first loss: wrap the model's forward so the loss never materialises the logits.
+def _compute_loss_owner(trainer: Any) -> type | None:
+    """The class whose compute_loss the trainer runs, unless it is transformers' own."""
+    owner = next(c for c in type(trainer).__mro__ if "compute_loss" in c.__dict__)
+    return None if owner is transformers.Trainer else owner
 
-    Checked per model object, since ``model_init`` (hyperparameter search) builds a new model in ``train()``."""
-    model = trainer.model
-    if model is None or getattr(trainer, "_fasttrain_loss_model", None) is model:
-        return
-    trainer._fasttrain_loss_model = model
-    if not hot_paths_of(trainer).loss:
-        return _set(trainer, "loss", "off: switched off")
+
+def _arm_loss(trainer: Any, seam: _Seam) -> None:
     owner = _compute_loss_owner(trainer)
     if owner is not None:
-        # A subclass's own compute_loss (TRL's SFTTrainer computes token accuracy from them, say) may read
-        # the logits that the fused path never makes: keep the model's own path.
-        return _set(trainer, "loss", f"off: {owner}.compute_loss is overridden and may need the logits")
+        # A subclass's own compute_loss may read the logits that the fused path never makes.
+        seam.off("loss", f"{owner.__name__}.compute_loss is overridden and may need the logits")
+        return
+    if trainer.model_init is not None:
+        model_init = trainer.model_init
+        trainer.model_init = functools.wraps(model_init)(
+            lambda *a: _enable_fused_loss(seam, model_init(*a))  # hyperparameter search rebuilds the model
+        )
+    if trainer.model is not None:
+        _enable_fused_loss(seam, trainer.model)
+    _override(trainer, "prediction_step", _prediction_step)
+
+
+def _enable_fused_loss(seam: _Seam, model: Any) -> Any:
     from .loss.model_patch import enable_fused_loss
 
     reason = enable_fused_loss(model)
-    _set(trainer, "loss", "on" if reason is None else f"off: {reason}")
+    if reason is not None:
+        seam.off("loss", reason)
+    elif seam.status["loss"] != "on":
+        seam.status["loss"] = NOT_RUN
+    return model
 
 
-def _compute_loss_owner(trainer: Any) -> str | None:
-    """The name of the class whose compute_loss the trainer runs, unless it is transformers' or ours."""
-    import transformers
+def _fused_loss_calls(trainer: Any) -> int:
+    from .loss.model_patch import fused_loss_calls
 
-    for cls in type(trainer).__mro__:
-        if "compute_loss" in cls.__dict__:
-            if cls is transformers.Trainer or cls.__module__.startswith("fasttrain."):
-                return None
-            return cls.__qualname__
-    return None
+    return fused_loss_calls(trainer.model) if trainer.model is not None else 0
 
 
-def compute_loss(original: Callable[..., Any], trainer: Any, model: Any, inputs: Any, *args: Any, **kwargs: Any):
-    with _once(trainer, "loss") as outer:
-        if outer:
-            ensure_fused_loss(trainer)
-        return original(model, inputs, *args, **kwargs)
+def _prediction_step(trainer: Any, original: Callable[..., Any], model: Any, inputs: Any, prediction_loss_only: bool, *args: Any, **kwargs: Any) -> Any:
+    """A loss-only evaluation takes the fused path too; otherwise the logits are made as before."""
+    from .loss.model_patch import set_eval_fused
 
-
-def prediction_step(original: Callable[..., Any], trainer: Any, model: Any, inputs: Any, prediction_loss_only: bool, *args: Any, **kwargs: Any):
-    """In evaluation the logits are kept unless only the loss is wanted."""
-    with _once(trainer, "prediction_step") as outer:
-        if outer:
-            ensure_fused_loss(trainer)  # an evaluation before any training decides here
-        if not outer or status_of(trainer)["loss"] != "on":
-            return original(model, inputs, prediction_loss_only, *args, **kwargs)
-        from .loss.model_patch import set_eval_fused
-
-        set_eval_fused(trainer.model, bool(prediction_loss_only))
-        try:
-            return original(model, inputs, prediction_loss_only, *args, **kwargs)
-        finally:
-            set_eval_fused(trainer.model, False)
-
-
-class HotPathReport(TrainerCallback):
-    """At train start, once the optimizer, dataloader and model wrappers exist: settle every path's status
-    and say in one log line which hot paths are active and which fell back and why."""
-
-    def __init__(self, trainer: Any) -> None:
-        self._trainer = weakref.ref(trainer)
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        trainer = self._trainer()
-        if trainer is None:
-            return
-        ensure_fused_loss(trainer)
-        status = status_of(trainer)
-        if status["optimizer"] == "pending":
-            fused = find_fused_adamw(trainer.optimizer) is not None
-            _set(trainer, "optimizer", "on" if fused else "off: the Trainer was given its optimizer")
-        if status["clip"] == "pending":
-            fused, reason = _fused_clip_target(trainer, trainer.model)
-            _set(trainer, "clip", "on" if fused is not None else f"off: {reason}")
-        if status["sampler"] == "pending":
-            _set(trainer, "sampler", "off: the Trainer built no length-grouped sampler")
-        log_summary(trainer)
-
-
-def attach(trainer: Any) -> None:
-    """After ``Trainer.__init__``: swap the collator and register the status report (once per trainer)."""
-    if getattr(trainer, "_fasttrain_attached", False):
-        return
-    trainer._fasttrain_attached = True
-    status_of(trainer)
-    swap_collator(trainer)
-    trainer.add_callback(HotPathReport(trainer))
+    if not prediction_loss_only:
+        return original(model, inputs, prediction_loss_only, *args, **kwargs)
+    set_eval_fused(trainer.model, True)
+    try:
+        return original(model, inputs, prediction_loss_only, *args, **kwargs)
+    finally:
+        set_eval_fused(trainer.model, False)

@@ -142,6 +142,7 @@ class LengthGroupedSampler(Sampler):
         self.batch_size = _positive_int(batch_size, "batch_size")
         self.lengths = _resolve_lengths(dataset, lengths, model_input_name)
         self.generator = generator
+        self.iterations_started = 0  # evidence for fasttrain's status that this sampler ran
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -151,6 +152,7 @@ class LengthGroupedSampler(Sampler):
         return length_grouped_indices(self.lengths, self.batch_size, generator=self.generator)
 
     def __iter__(self) -> Iterator[int]:
+        self.iterations_started += 1
         return _python_ints(self.indices())
 
 

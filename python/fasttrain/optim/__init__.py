@@ -1,8 +1,4 @@
-"""fasttrain's optimizer: ``FusedAdamW`` (Triton multi-tensor AdamW with fused gradient clipping).
-
-``fasttrain.optim.handler`` holds the Trainer hook (``install_optimizer_handlers`` / ``uninstall_...``);
-it is not imported here so that ``import fasttrain.optim`` does not import transformers.
-"""
+"""fasttrain's optimizer: ``FusedAdamW`` (Triton multi-tensor AdamW with fused gradient clipping)."""
 
 from .adamw import FusedAdamW
 
