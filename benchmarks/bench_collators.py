@@ -1,4 +1,4 @@
-"""fasttrain's Rust collators against transformers' collators, side by side in one run.
+"""fasttrain's Rust collators against transformers' and TRL's collators, side by side in one run.
 
 For each case both collators get the same batches (64 examples of random length 16-2048 by default),
 alternating call by call (reference, ours, reference, ours, ...) so that both see the same machine
@@ -8,6 +8,11 @@ identical (keys, dtypes, shapes, values).
 Input kinds: "list" (Python lists, as a tokenizer or `datasets` without a format returns them),
 "numpy" (int64 arrays), "arrow" (rows of a `datasets.Dataset` in numpy format: arrays read from the
 Arrow buffers) and "torch" (int64 CPU tensors).
+
+TRL's collators (when trl is installed): SFTTrainer's ``DataCollatorForLanguageModeling`` padded, padding-free,
+and padding-free on packed examples (``seq_lengths``, documents of 16-2048 tokens packed into rows of up to
+8192), and DPOTrainer's ``DataCollatorForPreference`` (prompts of 16-512 tokens, answers of 16-1024,
+``max_length=1024``), all on Python lists as SFTTrainer and DPOTrainer hand them over.
 
 Usage:
     python benchmarks/bench_collators.py            # writes benchmarks/results/collators.{json,md}
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import os
 import platform
@@ -45,20 +51,51 @@ PAD_ID = 0
 VOCAB = 32_000
 
 
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def make_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {"[PAD]": PAD_ID, "[UNK]": 1, **{f"w{i}": i for i in range(2, 100)}}
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]")
 
 
-def make_rows(batch: int, min_len: int, max_len: int, rng: np.random.Generator, labels: bool) -> list[dict]:
+def make_rows(batch: int, min_len: int, max_len: int, rng: np.random.Generator, data: str) -> list[dict]:
+    """One batch of numpy rows: "plain" (input_ids, attention_mask), "labels" (+ labels of another length),
+    "sft" (input_ids, labels with the prompt masked), "packed" (documents packed into rows, seq_lengths),
+    "preference" (prompt_ids, chosen_ids, rejected_ids)."""
     rows = []
     for n in rng.integers(min_len, max_len + 1, batch):
         ids = rng.integers(1, VOCAB, n)
-        row = {"input_ids": ids, "attention_mask": np.ones(n, dtype=np.int64)}
-        if labels:
-            row["labels"] = rng.integers(1, VOCAB, int(rng.integers(min_len, max_len + 1)))
-        rows.append(row)
+        if data == "sft":
+            labels = ids.copy()
+            labels[: int(rng.integers(0, n))] = -100
+            rows.append({"input_ids": ids, "labels": labels})
+        elif data == "packed":
+            docs = []
+            while sum(docs) < 4 * max_len:
+                docs.append(int(rng.integers(min_len, max_len + 1)))
+            total = sum(docs)
+            rows.append({"input_ids": rng.integers(1, VOCAB, total), "seq_lengths": np.asarray(docs)})
+        elif data == "preference":
+            rows.append(
+                {
+                    "prompt_ids": rng.integers(1, VOCAB, int(rng.integers(min_len, max_len // 4 + 1))),
+                    "chosen_ids": rng.integers(1, VOCAB, int(rng.integers(min_len, max_len // 2 + 1))),
+                    "rejected_ids": rng.integers(1, VOCAB, int(rng.integers(min_len, max_len // 2 + 1))),
+                }
+            )
+        else:
+            row = {"input_ids": ids, "attention_mask": np.ones(n, dtype=np.int64)}
+            if data == "labels":
+                row["labels"] = rng.integers(1, VOCAB, int(rng.integers(min_len, max_len + 1)))
+            rows.append(row)
     return rows
 
 
@@ -90,21 +127,32 @@ def same(a, b) -> bool:
     return True
 
 
-def alternate(ref: Callable, ours: Callable, batches: list, calls: int) -> tuple[list[float], list[float]]:
+def timed(fn: Callable, batch: list) -> tuple[float, float]:
+    """One call's (wall time, CPU time of the process), the garbage collector run before and off during the
+    call (as timeit does: otherwise a collection of one side's garbage lands on whichever side allocates next).
+    CPU time leaves out the time the call spent descheduled, which dominates short calls on a loaded machine."""
+    gc.collect()
+    gc.disable()
+    try:
+        wall, cpu = time.perf_counter(), time.process_time()
+        fn(batch)
+        return time.perf_counter() - wall, time.process_time() - cpu
+    finally:
+        gc.enable()
+
+
+def alternate(ref: Callable, ours: Callable, batches: list, calls: int) -> tuple[list, list]:
+    """(wall, cpu) pairs of each side, calls alternating on the same batches."""
     ref_t, our_t = [], []
     for i in range(calls):
         b = batches[i % len(batches)]
-        t = time.perf_counter()
-        ref(b)
-        ref_t.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        ours(b)
-        our_t.append(time.perf_counter() - t)
+        ref_t.append(timed(ref, b))
+        our_t.append(timed(ours, b))
     return ref_t, our_t
 
 
-def cases(tok) -> list[tuple[str, str, object, object, bool]]:
-    """(collator name, input kind, transformers collator, ours, needs labels)."""
+def cases(tok, max_len: int) -> list[tuple[str, str, object, object, str]]:
+    """(collator name, input kind, reference collator, ours, data of make_rows)."""
     out = []
     for kind in ("list", "numpy", "arrow", "torch"):
         out.append(
@@ -113,7 +161,7 @@ def cases(tok) -> list[tuple[str, str, object, object, bool]]:
                 kind,
                 transformers.DataCollatorWithPadding(tok),
                 ft.DataCollatorWithPadding(tok),
-                False,
+                "plain",
             )
         )
     for kind in ("list", "numpy"):
@@ -123,7 +171,7 @@ def cases(tok) -> list[tuple[str, str, object, object, bool]]:
                 kind,
                 transformers.DataCollatorForLanguageModeling(tok, mlm=False),
                 ft.DataCollatorForLanguageModeling(tok, mlm=False),
-                False,
+                "plain",
             )
         )
     for kind in ("list", "numpy"):
@@ -133,7 +181,7 @@ def cases(tok) -> list[tuple[str, str, object, object, bool]]:
                 kind,
                 transformers.DataCollatorForSeq2Seq(tok),
                 ft.DataCollatorForSeq2Seq(tok),
-                True,
+                "labels",
             )
         )
     for kind in ("list", "numpy"):
@@ -143,9 +191,53 @@ def cases(tok) -> list[tuple[str, str, object, object, bool]]:
                 kind,
                 transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True),
                 ft.DataCollatorWithFlattening(return_flash_attn_kwargs=True),
-                False,
+                "plain",
             )
         )
+    return out + trl_cases(max_len)
+
+
+def trl_cases(max_len: int) -> list[tuple[str, str, object, object, str]]:
+    try:
+        from trl.trainer import dpo_trainer, sft_trainer
+    except ImportError:
+        print("trl is not installed: TRL's collators are not measured", flush=True)
+        return []
+    from fasttrain.data import trl_collators
+
+    sft = [
+        ("TRL SFT DataCollatorForLanguageModeling", dict(pad_token_id=PAD_ID), "sft"),
+        (
+            "TRL SFT DataCollatorForLanguageModeling(padding_free)",
+            dict(pad_token_id=PAD_ID, padding_free=True),
+            "sft",
+        ),
+        (
+            "TRL SFT DataCollatorForLanguageModeling(padding_free, packed)",
+            dict(pad_token_id=PAD_ID, padding_free=True),
+            "packed",
+        ),
+    ]
+    out = [
+        (
+            name,
+            "list",
+            sft_trainer.DataCollatorForLanguageModeling(**kw),
+            trl_collators.DataCollatorForLanguageModeling(**kw),
+            data,
+        )
+        for name, kw, data in sft
+    ]
+    kw = dict(pad_token_id=PAD_ID, max_length=max_len // 2)
+    out.append(
+        (
+            f"TRL DPO DataCollatorForPreference(max_length={max_len // 2})",
+            "list",
+            dpo_trainer.DataCollatorForPreference(**kw),
+            trl_collators.DataCollatorForPreference(**kw),
+            "preference",
+        )
+    )
     return out
 
 
@@ -166,34 +258,40 @@ def main() -> None:
     tok = make_tokenizer()
     rng = np.random.default_rng(args.seed)
     raw = {
-        labels: [make_rows(args.batch, args.min_len, args.max_len, rng, labels) for _ in range(args.batches)]
-        for labels in (False, True)
+        data: [make_rows(args.batch, args.min_len, args.max_len, rng, data) for _ in range(args.batches)]
+        for data in ("plain", "labels", "sft", "packed", "preference")
     }
     results = []
-    for name, kind, ref, ours, labels in cases(tok):
-        batches = [convert(rows, kind) for rows in raw[labels]]
+    for name, kind, ref, ours, data in cases(tok, args.max_len):
+        batches = [convert(rows, kind) for rows in raw[data]]
         if not same(ours(batches[0]), ref(batches[0])):
-            raise SystemExit(f"{name} on {kind} input: outputs differ from transformers")
+            raise SystemExit(f"{name} on {kind} input: outputs differ from the reference")
         ours(batches[0])  # warm-up
         ref(batches[0])
         ref_t, our_t = alternate(ref, ours, batches, args.calls)
-        r_med, o_med = statistics.median(ref_t), statistics.median(our_t)
-        tokens = statistics.mean(sum(len(r["input_ids"]) for r in rows) for rows in raw[labels])
+        r_med, o_med = (statistics.median(wall for wall, _ in t) for t in (ref_t, our_t))
+        r_cpu, o_cpu = (statistics.median(cpu for _, cpu in t) for t in (ref_t, our_t))
+        tokens = statistics.mean(
+            sum(sum(len(v) for k, v in r.items() if k.endswith("ids")) for r in rows) for rows in raw[data]
+        )
         results.append(
             {
                 "collator": name,
                 "input": kind,
-                "transformers_ms_per_batch": r_med * 1e3,
+                "reference_ms_per_batch": r_med * 1e3,
                 "fasttrain_ms_per_batch": o_med * 1e3,
-                "transformers_examples_per_s": args.batch / r_med,
+                "reference_examples_per_s": args.batch / r_med,
                 "fasttrain_examples_per_s": args.batch / o_med,
                 "speedup": r_med / o_med,
+                "reference_cpu_ms_per_batch": r_cpu * 1e3,
+                "fasttrain_cpu_ms_per_batch": o_cpu * 1e3,
+                "speedup_cpu_time": r_cpu / o_cpu,
                 "mean_tokens_per_batch": tokens,
             }
         )
         print(
-            f"{name:44s} {kind:6s} transformers {r_med * 1e3:8.2f} ms  fasttrain {o_med * 1e3:7.3f} ms  "
-            f"x{r_med / o_med:6.1f}",
+            f"{name:62s} {kind:6s} reference {r_med * 1e3:8.2f} ms  fasttrain {o_med * 1e3:7.3f} ms  "
+            f"x{r_med / o_med:6.1f}  (CPU time x{r_cpu / o_cpu:6.1f})",
             flush=True,
         )
 
@@ -213,6 +311,7 @@ def main() -> None:
             "python": platform.python_version(),
             "fasttrain": fasttrain.__version__,
             "transformers": transformers.__version__,
+            "trl": _version("trl"),
             "torch": torch.__version__,
             "numpy": np.__version__,
             "tokenizers": tokenizers.__version__,
@@ -224,7 +323,9 @@ def main() -> None:
             "timed_calls_per_collator": args.calls,
             "distinct_batches": args.batches,
             "return_tensors": "pt",
-            "method": "reference and fasttrain called alternately on the same batches; medians",
+            "method": "reference and fasttrain called alternately on the same batches, the garbage collector "
+            "run before and off during each call (as timeit does); medians of wall time, and of the process's "
+            "CPU time (which leaves out time spent descheduled on a loaded machine)",
         },
         "results": results,
     }
@@ -240,7 +341,7 @@ def main() -> None:
 def markdown(r: dict) -> str:
     m, v, s = r["machine"], r["versions"], r["setup"]
     lines = [
-        "# Collators: fasttrain (Rust) vs transformers",
+        "# Collators: fasttrain (Rust) vs transformers and TRL",
         "",
         f"- Date (UTC): {r['date_utc']}",
         f"- Machine: {m['cpu']}, {m['cores']} cores ({m['cores_usable']} usable), {m['platform']}; "
@@ -251,15 +352,16 @@ def markdown(r: dict) -> str:
         f"{s['timed_calls_per_collator']} timed calls per collator over {s['distinct_batches']} batches, "
         f"return_tensors='{s['return_tensors']}'; {s['method']}. Outputs checked identical before timing.",
         "",
-        "| collator | input | transformers ms/batch | fasttrain ms/batch | transformers examples/s "
-        "| fasttrain examples/s | speedup |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| collator | input | reference ms/batch | fasttrain ms/batch | reference examples/s "
+        "| fasttrain examples/s | speedup | CPU ms/batch: reference, fasttrain | speedup (CPU time) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for x in r["results"]:
         lines.append(
-            f"| {x['collator']} | {x['input']} | {x['transformers_ms_per_batch']:.2f} | "
-            f"{x['fasttrain_ms_per_batch']:.3f} | {x['transformers_examples_per_s']:,.0f} | "
-            f"{x['fasttrain_examples_per_s']:,.0f} | {x['speedup']:.1f}x |"
+            f"| {x['collator']} | {x['input']} | {x['reference_ms_per_batch']:.2f} | "
+            f"{x['fasttrain_ms_per_batch']:.3f} | {x['reference_examples_per_s']:,.0f} | "
+            f"{x['fasttrain_examples_per_s']:,.0f} | {x['speedup']:.1f}x | "
+            f"{x['reference_cpu_ms_per_batch']:.2f}, {x['fasttrain_cpu_ms_per_batch']:.3f} | {x['speedup_cpu_time']:.1f}x |"
         )
     return "\n".join(lines) + "\n"
 

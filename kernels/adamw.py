@@ -4,11 +4,12 @@ One launch covers every tensor of a parameter group: the launcher writes a table
 (int64 ``data_ptr()``s, one row per role: param, grad, exp_avg, exp_avg_sq, ...) and a work table of
 (tensor index, chunk start) pairs; each program loads its row of addresses, casts them to typed
 pointers and updates one CHUNK of one tensor. A 0.6B model has hundreds of small tensors, so one
-launch per tensor would be launch-bound.
+launch per tensor would be launch-bound. ``adamw8bit.py`` is the same step over blockwise 8-bit moments.
 
-Math follows ``torch.optim.AdamW`` (its single-tensor path, operation by operation, so the fp32
-roundings agree), in fp32 whatever the storage dtype of params/grads (fp32, bf16, fp16); states are
-fp32; bias corrections in fp64 as torch computes them in Python floats:
+Math follows torch's fused AdamW: every stored value (param, grad, moments; fp32, bf16 or fp16, the
+moments in their own dtype) is loaded into fp32, updated in fp32 and rounded once when stored; the
+operations are those of ``torch.optim.AdamW`` in torch's order, so the fp32 roundings agree; bias
+corrections in fp64 as torch computes them in Python floats:
 
     g = grad / grad_scale * clip_coef (negated if maximize)
     p *= 1 - lr * weight_decay
@@ -17,6 +18,9 @@ fp32; bias corrections in fp64 as torch computes them in Python floats:
     denom = sqrt(v (or max(v_max, v) with amsgrad)) / sqrt(1 - beta2 ** step) + eps
     p -= lr / (1 - beta1 ** step) * (m / denom)
 
+bf16 parameters are rounded to nearest, or stochastically (``SR``) with the counter-based random bits
+of ``fasttrain.optim.rounding`` (same bits as its torch implementation).
+
 Hyperparameters are runtime scalars (or device scalars), never constexprs: a scheduler changing lr
 never recompiles. A step whose ``found_inf`` flag is set leaves everything untouched, decided on the
 device (no host sync). Offsets are 64-bit (a 7B model has single tensors of 500M+ elements).
@@ -24,13 +28,15 @@ device (no host sync). Offsets are 64-bit (a 7B model has single tensors of 500M
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from fasttrain._backend import triton_interpreting
 
 # Elements per program and per vector op. 16K elements per program keeps the grid small for 7B
 # parameters (~450K programs) while a 2K-element norm tensor still gets its own program.
@@ -58,8 +64,10 @@ def _typed_ptr(addr, KIND: tl.constexpr, ALIGNED: tl.constexpr):
         ptr = addr.to(tl.pointer_type(tl.float32))
     elif KIND == 1:
         ptr = addr.to(tl.pointer_type(tl.bfloat16))
-    else:
+    elif KIND == 2:
         ptr = addr.to(tl.pointer_type(tl.float16))
+    else:
+        ptr = addr.to(tl.pointer_type(tl.uint8))
     if ALIGNED:
         ptr = tl.multiple_of(ptr, 16)
     return ptr
@@ -92,106 +100,85 @@ def _to_storage(x, KIND: tl.constexpr):
 
 
 @triton.jit
-def _adamw_block(
-    p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n,
-    decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
-    MASKED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
-    P_KIND: tl.constexpr,
-):  # fmt: skip
-    if MASKED:
-        mask = offs < n
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    else:
-        p = tl.load(p_ptr + offs).to(tl.float32)
-        g = tl.load(g_ptr + offs).to(tl.float32)
-        m = tl.load(m_ptr + offs)
-        v = tl.load(v_ptr + offs)
+def _mix32(x):
+    # lowbias32 (fasttrain.optim.rounding.mix32) on uint32: products wrap modulo 2**32
+    x = x ^ (x >> 16)
+    x = x * tl.full((), 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full((), 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
 
+
+@triton.jit
+def _sr_program_key(step, salt, seed, start):
+    """fasttrain.optim.rounding's key of (seed, salt, step), folded with the high half of the element index
+    (a chunk never straddles a multiple of 2**32: its elements share it)."""
+    key = _mix32(_mix32(_mix32(step.to(tl.uint32)) ^ salt.to(tl.uint32)) ^ seed.to(tl.uint32))
+    return _mix32(key + (start >> 32).to(tl.uint32))
+
+
+@triton.jit
+def _to_bf16_stochastic(x, offs, program_key):
+    # add 16 random bits below bf16's last bit, then drop them (NaN stays NaN; see fasttrain.optim.rounding)
+    noise = _mix32(program_key ^ offs.to(tl.uint32)) & 0xFFFF
+    bits = (x.to(tl.uint32, bitcast=True) + noise) & 0xFFFF0000
+    x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return x.to(tl.bfloat16)  # exact: the low bits are zero
+
+
+@triton.jit
+def _param_out(p, offs, program_key, P_KIND: tl.constexpr, SR: tl.constexpr):
+    if SR and P_KIND == 1:  # noqa: SIM108
+        out = _to_bf16_stochastic(p, offs, program_key)
+    else:
+        out = _to_storage(p, P_KIND)
+    return out
+
+
+@triton.jit
+def _adam_update(
+    p, g, m, v, vmax,
+    decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
+    HAS_GRAD_SCALE: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+):  # fmt: skip
+    """The AdamW update of fp32 values of any shape: (p, m, v, vmax) after the step (vmax unused without AMSGRAD)."""
     if HAS_GRAD_SCALE:
         g = g / grad_scale  # torch divides by the scale too (`grad /= *grad_scale_ptr`)
-    g = g * grad_mul  # clip coefficient (exactly 1.0 when not clipping), sign for maximize
+    g = g * grad_mul  # clip coefficient (exactly 1.0 when not clipping)
     if MAXIMIZE:
         g = -g
-
     # the order of operations of torch.optim.AdamW (mul_, lerp_, mul_().addcmul_(), addcdiv_), so the
     # fp32 roundings match: p *= 1 - lr * wd; m = lerp(m, g, 1 - beta1); v = v * beta2 + (1 - beta2) * g * g
     p = p * decay
     m = tl.where(one_minus_beta1 < 0.5, m + one_minus_beta1 * (g - m), g - (g - m) * beta1)
     v = v * beta2 + one_minus_beta2 * g * g
     if AMSGRAD:
-        if MASKED:  # noqa: SIM108
-            vmax = tl.load(vmax_ptr + offs, mask=mask, other=0.0)
-        else:
-            vmax = tl.load(vmax_ptr + offs)
         vmax = tl.maximum(vmax, v)
         denom = tl.sqrt(vmax) / bc2_sqrt + eps
     else:
         denom = tl.sqrt(v) / bc2_sqrt + eps
     p = p - step_size * (m / denom)
-
-    if MASKED:
-        tl.store(p_ptr + offs, _to_storage(p, P_KIND), mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
-        if AMSGRAD:
-            tl.store(vmax_ptr + offs, vmax, mask=mask)
-    else:
-        tl.store(p_ptr + offs, _to_storage(p, P_KIND))
-        tl.store(m_ptr + offs, m)
-        tl.store(v_ptr + offs, v)
-        if AMSGRAD:
-            tl.store(vmax_ptr + offs, vmax)
+    return p, m, v, vmax
 
 
 @triton.jit
-def _adamw_kernel(
-    addr_ptr,  # int64 [6, n_tensors]: param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step
-    numel_ptr,  # int64 [n_tensors]
-    work_tensor_ptr,  # int64 [n_programs]: which tensor this program updates
-    work_start_ptr,  # int64 [n_programs]: first element of its chunk
-    n_tensors,
-    lr,  # float, or pointer to a device scalar when LR_IS_TENSOR
-    betas_ptr,  # fp64 [4] device tensor: beta1, beta2, 1 - beta1, 1 - beta2 (fp64: 1 - beta ** step keeps its digits)
-    eps, weight_decay,
-    clip_ptr,  # fp32 device scalar: clip coefficient (HAS_CLIP)
-    grad_scale_ptr,  # fp32 device scalar: GradScaler's scale (HAS_GRAD_SCALE)
-    found_inf_ptr,  # fp32 device scalar: non-zero skips the step (HAS_FOUND_INF)
-    P_KIND: tl.constexpr, G_KIND: tl.constexpr, ALIGNED: tl.constexpr,
-    LR_IS_TENSOR: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+def _step_scalars(
+    lr, step_ptr, betas_ptr, weight_decay, clip_ptr, grad_scale_ptr,
+    LR_IS_TENSOR: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
 ):  # fmt: skip
-    if HAS_FOUND_INF:  # noqa: SIM102 - a constexpr test, then a runtime one
-        if tl.load(found_inf_ptr) != 0.0:
-            return
-    pid = tl.program_id(0).to(tl.int64)
-    t = tl.load(work_tensor_ptr + pid)
-    start = tl.load(work_start_ptr + pid)
-    n = tl.load(numel_ptr + t)
-
-    p_ptr = _typed_ptr(tl.load(addr_ptr + 0 * n_tensors + t), P_KIND, ALIGNED)
-    g_ptr = _typed_ptr(tl.load(addr_ptr + 1 * n_tensors + t), G_KIND, ALIGNED)
-    m_ptr = _typed_ptr(tl.load(addr_ptr + 2 * n_tensors + t), 0, ALIGNED)
-    v_ptr = _typed_ptr(tl.load(addr_ptr + 3 * n_tensors + t), 0, ALIGNED)
-    vmax_ptr = m_ptr  # unused unless AMSGRAD
-    if AMSGRAD:
-        vmax_ptr = _typed_ptr(tl.load(addr_ptr + 4 * n_tensors + t), 0, ALIGNED)
-    step_ptr = _typed_ptr(tl.load(addr_ptr + 5 * n_tensors + t), 0, False)
-
+    """The per-tensor scalars of one step, once per program (so free)."""
     if LR_IS_TENSOR:  # noqa: SIM108
         lr_val = tl.load(lr).to(tl.float32)
     else:
         lr_val = tl.cast(lr, tl.float32)
     # Bias corrections in fp64: at step 1, 1 - 0.999 ** 1 in fp32 keeps 4 digits; torch's AdamW
-    # computes them in Python floats (fp64). Once per program, so free.
-    step = tl.load(step_ptr).to(tl.float64)  # already incremented for this step, as torch does
+    # computes them in Python floats (fp64).
+    step = tl.load(step_ptr)  # already incremented for this step, as torch does
+    step64 = step.to(tl.float64)
     beta1_64 = tl.load(betas_ptr)
     beta2_64 = tl.load(betas_ptr + 1)
-    bias_correction1 = 1.0 - _pow(beta1_64, step, USE_LIBDEVICE)
-    bias_correction2 = 1.0 - _pow(beta2_64, step, USE_LIBDEVICE)
+    bias_correction1 = 1.0 - _pow(beta1_64, step64, USE_LIBDEVICE)
+    bias_correction2 = 1.0 - _pow(beta2_64, step64, USE_LIBDEVICE)
     step_size = (tl.cast(lr_val, tl.float64) / bias_correction1).to(tl.float32)
     bc2_sqrt = tl.sqrt(bias_correction2).to(tl.float32)
     beta1 = beta1_64.to(tl.float32)
@@ -205,6 +192,103 @@ def _adamw_kernel(
     grad_scale = 1.0
     if HAS_GRAD_SCALE:
         grad_scale = tl.load(grad_scale_ptr)
+    return step, decay, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, bc2_sqrt, grad_mul, grad_scale
+
+
+@triton.jit
+def _adamw_block(
+    p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n, program_key,
+    decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
+    MASKED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+    P_KIND: tl.constexpr, M_KIND: tl.constexpr, SR: tl.constexpr,
+):  # fmt: skip
+    if MASKED:
+        mask = offs < n
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        vmax = v
+        if AMSGRAD:
+            vmax = tl.load(vmax_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        p = tl.load(p_ptr + offs).to(tl.float32)
+        g = tl.load(g_ptr + offs).to(tl.float32)
+        m = tl.load(m_ptr + offs).to(tl.float32)
+        v = tl.load(v_ptr + offs).to(tl.float32)
+        vmax = v
+        if AMSGRAD:
+            vmax = tl.load(vmax_ptr + offs).to(tl.float32)
+
+    p, m, v, vmax = _adam_update(
+        p, g, m, v, vmax,
+        decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
+        HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE,
+    )  # fmt: skip
+    p_out = _param_out(p, offs, program_key, P_KIND, SR)
+    m_out = _to_storage(m, M_KIND)
+    v_out = _to_storage(v, M_KIND)
+    vmax_out = _to_storage(vmax, M_KIND)
+    if MASKED:
+        tl.store(p_ptr + offs, p_out, mask=mask)
+        tl.store(m_ptr + offs, m_out, mask=mask)
+        tl.store(v_ptr + offs, v_out, mask=mask)
+        if AMSGRAD:
+            tl.store(vmax_ptr + offs, vmax_out, mask=mask)
+    else:
+        tl.store(p_ptr + offs, p_out)
+        tl.store(m_ptr + offs, m_out)
+        tl.store(v_ptr + offs, v_out)
+        if AMSGRAD:
+            tl.store(vmax_ptr + offs, vmax_out)
+
+
+@triton.jit
+def _adamw_kernel(
+    addr_ptr,  # int64 [6, n_tensors]: param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step
+    numel_ptr,  # int64 [n_tensors]
+    work_tensor_ptr,  # int64 [n_programs]: which tensor this program updates
+    work_start_ptr,  # int64 [n_programs]: first element of its chunk
+    salt_ptr,  # int64 [n_tensors]: the parameters' indices in the optimizer (stochastic rounding)
+    n_tensors,
+    lr,  # float, or pointer to a device scalar when LR_IS_TENSOR
+    betas_ptr,  # fp64 [4] device tensor: beta1, beta2, 1 - beta1, 1 - beta2 (fp64: 1 - beta ** step keeps its digits)
+    eps, weight_decay,
+    clip_ptr,  # fp32 device scalar: clip coefficient (HAS_CLIP)
+    grad_scale_ptr,  # fp32 device scalar: GradScaler's scale (HAS_GRAD_SCALE)
+    found_inf_ptr,  # fp32 device scalar: non-zero skips the step (HAS_FOUND_INF)
+    seed,  # int < 2**31: stochastic rounding seed (SR)
+    P_KIND: tl.constexpr, G_KIND: tl.constexpr, M_KIND: tl.constexpr, ALIGNED: tl.constexpr,
+    LR_IS_TENSOR: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    if HAS_FOUND_INF:  # noqa: SIM102 - a constexpr test, then a runtime one
+        if tl.load(found_inf_ptr) != 0.0:
+            return
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(work_tensor_ptr + pid)
+    start = tl.load(work_start_ptr + pid)
+    n = tl.load(numel_ptr + t)
+
+    p_ptr = _typed_ptr(tl.load(addr_ptr + 0 * n_tensors + t), P_KIND, ALIGNED)
+    g_ptr = _typed_ptr(tl.load(addr_ptr + 1 * n_tensors + t), G_KIND, ALIGNED)
+    m_ptr = _typed_ptr(tl.load(addr_ptr + 2 * n_tensors + t), M_KIND, ALIGNED)
+    v_ptr = _typed_ptr(tl.load(addr_ptr + 3 * n_tensors + t), M_KIND, ALIGNED)
+    vmax_ptr = m_ptr  # unused unless AMSGRAD
+    if AMSGRAD:
+        vmax_ptr = _typed_ptr(tl.load(addr_ptr + 4 * n_tensors + t), M_KIND, ALIGNED)
+    step_ptr = _typed_ptr(tl.load(addr_ptr + 5 * n_tensors + t), 0, False)
+
+    step, decay, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, bc2_sqrt, grad_mul, grad_scale = (
+        _step_scalars(
+            lr, step_ptr, betas_ptr, weight_decay, clip_ptr, grad_scale_ptr,
+            LR_IS_TENSOR, HAS_CLIP, HAS_GRAD_SCALE, USE_LIBDEVICE,
+        )
+    )  # fmt: skip
+    program_key = tl.full((), 0, tl.uint32)
+    if SR:
+        program_key = _sr_program_key(step, tl.load(salt_ptr + t), seed, start)
 
     base = tl.arange(0, BLOCK_SIZE).to(tl.int64)
     if start + CHUNK_SIZE <= n:
@@ -214,18 +298,18 @@ def _adamw_kernel(
             # compiler cannot prove alignment of offsets loaded from memory and will not vectorize
             offs = tl.max_contiguous(tl.multiple_of(start + i + base, BLOCK_SIZE), BLOCK_SIZE)
             _adamw_block(
-                p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n,
+                p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n, program_key,
                 decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
-                False, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE, P_KIND,
+                False, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE, P_KIND, M_KIND, SR,
             )  # fmt: skip
     else:
         # the tail chunk of a tensor: stop at its end (a 1-element bias does one block, not CHUNK/BLOCK)
         for j in tl.range(0, n - start, BLOCK_SIZE):  # j, not i: an int64 here, an int32 above
             offs = start + j + base
             _adamw_block(
-                p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n,
+                p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n, program_key,
                 decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
-                True, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE, P_KIND,
+                True, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE, P_KIND, M_KIND, SR,
             )  # fmt: skip
 
 
@@ -304,11 +388,6 @@ def _norm_per_tensor_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def supported_dtype(dtype: torch.dtype) -> bool:
     return dtype in DTYPE_CODES
 
@@ -317,11 +396,16 @@ class TensorTable:
     """Addresses, sizes and the (tensor, chunk) work table of a list of tensors, on their device.
 
     Built on the host as one int64 buffer and copied to the device in one transfer; reused while the
-    addresses do not change (the optimizer keys its cache on them).
+    addresses do not change (the optimizer keys its cache on them). ``salts`` (one int per tensor: the
+    parameter's index in the optimizer) seed stochastic rounding.
     """
 
     def __init__(
-        self, rows: Sequence[Sequence[torch.Tensor | None]], device: torch.device, chunk: int | None = None
+        self,
+        rows: Sequence[Sequence[torch.Tensor | None]],
+        device: torch.device,
+        chunk: int | None = None,
+        salts: Sequence[int] | None = None,
     ):
         chunk = CHUNK if chunk is None else chunk  # read at call time: tests and benchmarks tune it
         if chunk % BLOCK:
@@ -338,15 +422,18 @@ class TensorTable:
             work_tensor.extend([i] * len(starts))
             work_start.extend(starts)
             first_chunk.append(len(work_start))
-        flat = [a for row in addrs for a in row] + numels + work_tensor + work_start + first_chunk
+        salts = list(salts) if salts is not None else [0] * n_tensors
+        flat = [a for row in addrs for a in row] + numels + work_tensor + work_start + first_chunk + salts
         host = torch.tensor(flat, dtype=torch.int64)
         if device.type != "cpu":
             host = host.pin_memory()
         buf = host.to(device, non_blocking=True)
         n_rows = len(rows)
         n_work = len(work_start)
-        sizes = [n_rows * n_tensors, n_tensors, n_work, n_work, n_tensors + 1]
-        self.addrs, self.numels, self.work_tensor, self.work_start, self.first_chunk = torch.split(buf, sizes)
+        sizes = [n_rows * n_tensors, n_tensors, n_work, n_work, n_tensors + 1, n_tensors]
+        self.addrs, self.numels, self.work_tensor, self.work_start, self.first_chunk, self.salts = torch.split(
+            buf, sizes
+        )
         self.n_tensors = n_tensors
         self.n_programs = n_work
         self.chunk = chunk
@@ -355,40 +442,59 @@ class TensorTable:
         self._host = host  # keep the pinned source alive until the copy has run
 
 
-def adamw_step(
-    table: TensorTable,
-    p_dtype: torch.dtype,
-    g_dtype: torch.dtype,
-    *,
-    lr: float | torch.Tensor,
-    betas: torch.Tensor,
-    eps: float,
-    weight_decay: float,
-    clip_coef: torch.Tensor | None = None,
-    grad_scale: torch.Tensor | None = None,
-    found_inf: torch.Tensor | None = None,
-    amsgrad: bool = False,
-    maximize: bool = False,
-) -> None:
-    """One AdamW step over every tensor in ``table`` (rows as in ROW_*; steps already incremented).
+@dataclass
+class StepArgs:
+    """The hyperparameters and device scalars of one step of one parameter group.
 
-    ``betas`` is an fp64 [beta1, beta2, 1 - beta1, 1 - beta2] tensor on the device; ``clip_coef``, ``grad_scale`` and ``found_inf`` are
-    fp32 device scalars read by the kernel.
+    ``betas`` is an fp64 [beta1, beta2, 1 - beta1, 1 - beta2] tensor on the device; ``lr`` a float or an fp32
+    device scalar; ``clip_coef``, ``grad_scale`` and ``found_inf`` fp32 device scalars read by the kernel (None:
+    absent); ``sr_seed`` (an int) turns on stochastic rounding of bf16 parameters.
     """
+
+    lr: float | torch.Tensor
+    betas: torch.Tensor
+    eps: float
+    weight_decay: float
+    clip_coef: torch.Tensor | None = None
+    grad_scale: torch.Tensor | None = None
+    found_inf: torch.Tensor | None = None
+    amsgrad: bool = False
+    maximize: bool = False
+    sr_seed: int | None = None
+
+
+def launch_args(table: TensorTable, args: StepArgs) -> tuple[tuple, dict]:
+    """The arguments the AdamW kernels share (after the table), positional and constexpr."""
+    dummy = table.numels  # any device pointer for the scalars a launch does not use
+    lr_is_tensor = isinstance(args.lr, torch.Tensor)
+    positional = (
+        args.lr if lr_is_tensor else float(args.lr), args.betas, float(args.eps), float(args.weight_decay),
+        dummy if args.clip_coef is None else args.clip_coef,
+        dummy if args.grad_scale is None else args.grad_scale,
+        dummy if args.found_inf is None else args.found_inf,
+        0 if args.sr_seed is None else args.sr_seed % 2**31,
+    )  # fmt: skip
+    constexprs = dict(
+        LR_IS_TENSOR=lr_is_tensor, HAS_CLIP=args.clip_coef is not None, HAS_GRAD_SCALE=args.grad_scale is not None,
+        HAS_FOUND_INF=args.found_inf is not None, AMSGRAD=args.amsgrad, MAXIMIZE=args.maximize,
+        SR=args.sr_seed is not None, USE_LIBDEVICE=not triton_interpreting(), num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return positional, constexprs
+
+
+def adamw_step(
+    table: TensorTable, p_dtype: torch.dtype, g_dtype: torch.dtype, m_dtype: torch.dtype, args: StepArgs
+) -> None:
+    """One AdamW step over every tensor in ``table`` (rows as in ROW_*; steps already incremented), moments
+    stored in ``m_dtype``."""
     if table.n_programs == 0:
         return
-    dummy = table.numels  # any device pointer for the scalars a launch does not use
-    lr_is_tensor = isinstance(lr, torch.Tensor)
+    positional, constexprs = launch_args(table, args)
     _adamw_kernel[(table.n_programs,)](
-        table.addrs, table.numels, table.work_tensor, table.work_start, table.n_tensors,
-        lr if lr_is_tensor else float(lr), betas, float(eps), float(weight_decay),
-        dummy if clip_coef is None else clip_coef,
-        dummy if grad_scale is None else grad_scale,
-        dummy if found_inf is None else found_inf,
-        P_KIND=DTYPE_CODES[p_dtype], G_KIND=DTYPE_CODES[g_dtype], ALIGNED=table.aligned,
-        LR_IS_TENSOR=lr_is_tensor, HAS_CLIP=clip_coef is not None, HAS_GRAD_SCALE=grad_scale is not None,
-        HAS_FOUND_INF=found_inf is not None, AMSGRAD=amsgrad, MAXIMIZE=maximize,
-        USE_LIBDEVICE=not interpreting(), CHUNK_SIZE=table.chunk, BLOCK_SIZE=BLOCK, num_warps=NUM_WARPS,
+        table.addrs, table.numels, table.work_tensor, table.work_start, table.salts, table.n_tensors,
+        *positional,
+        P_KIND=DTYPE_CODES[p_dtype], G_KIND=DTYPE_CODES[g_dtype], M_KIND=DTYPE_CODES[m_dtype],
+        ALIGNED=table.aligned, CHUNK_SIZE=table.chunk, BLOCK_SIZE=BLOCK, **constexprs,
     )  # fmt: skip
 
 

@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyKeyError, PyMemoryError, PyTypeError, PyValueError};
 use pyo3::PyErr;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,6 +17,9 @@ pub enum DataError {
     Type(String),
     /// A key missing from an example -> KeyError.
     Key(String),
+    /// An allocation sized by a setting or the data that cannot be made -> MemoryError (catchable,
+    /// as transformers' own MemoryError is; never Rust's abort on a failed allocation).
+    Memory(String),
 }
 
 impl DataError {
@@ -29,9 +32,14 @@ impl DataError {
     pub fn key(msg: impl Into<String>) -> Self {
         DataError::Key(msg.into())
     }
+    pub fn memory(msg: impl Into<String>) -> Self {
+        DataError::Memory(msg.into())
+    }
     pub fn message(&self) -> &str {
         match self {
-            DataError::Value(m) | DataError::Type(m) | DataError::Key(m) => m,
+            DataError::Value(m) | DataError::Type(m) | DataError::Key(m) | DataError::Memory(m) => {
+                m
+            }
         }
     }
 }
@@ -50,6 +58,7 @@ impl From<DataError> for PyErr {
             DataError::Value(m) => PyValueError::new_err(m),
             DataError::Type(m) => PyTypeError::new_err(m),
             DataError::Key(m) => PyKeyError::new_err(m),
+            DataError::Memory(m) => PyMemoryError::new_err(m),
         }
     }
 }

@@ -80,7 +80,7 @@ def run_both(ours, ref, features, **kwargs):
     handovers = []
 
     def call_ours():
-        with mock.patch.object(ft, "_hand_over", lambda _c, why: handovers.append(str(why))):
+        with mock.patch.object(ft._rows, "hand_over", lambda _c, why: handovers.append(str(why))):
             return ours(clone(features), **kwargs)
 
     try:
@@ -476,6 +476,21 @@ def test_native_equivalent():
         pass
 
     assert ft.native_equivalent(Custom(tok)) is None
+    # the reasons name the class (or function) with its module
+    assert ft.why_no_native_equivalent(Custom(tok)) == (
+        "test_collators.test_native_equivalent.<locals>.Custom subclasses "
+        "transformers.data.data_collator.DataCollatorWithPadding and may change what it does, so it is kept"
+    )
+    assert ft.why_no_native_equivalent(transformers.DataCollatorForLanguageModeling(tok)) == (
+        "transformers.data.data_collator.DataCollatorForLanguageModeling with mlm=True (masked LM) keeps "
+        "transformers' masking"
+    )
+    assert ft.why_no_native_equivalent(transformers.default_data_collator) == (
+        "transformers.data.data_collator.default_data_collator has no native equivalent"
+    )
+    assert ft.why_no_native_equivalent(transformers.DefaultDataCollator()) == (
+        "transformers.data.data_collator.DefaultDataCollator has no native equivalent"
+    )
 
 
 @pytest.mark.parametrize(

@@ -167,3 +167,9 @@ def test_failed_batch_leaves_collator_usable():
         collator([{"input_ids": [5, "x"]}])
     out = collator([{"input_ids": [5, 6]}, {"input_ids": [7]}])
     assert out["input_ids"].tolist() == [[5, 6], [7, 3]]
+
+
+def test_flattening_names_the_original_example_after_dropping_empty_ones():
+    features = [{"input_ids": [], "labels": []}, {"input_ids": [5, 6], "labels": [1, "x"]}]
+    with pytest.raises(TypeError, match=r"example 1: 'labels'\[1\] is a str"):
+        padding_collators()["flattening"](features)

@@ -1,7 +1,15 @@
-"""FusedAdamW (torch backend, larger shapes) against torch.optim.AdamW and clip_grad_norm_ + AdamW."""
+"""FusedAdamW (torch backend, larger shapes) against torch.optim.AdamW and clip_grad_norm_ + AdamW, in every mode.
+
+Parameters are compared per tensor relative to their update (``assert_tracks``). Tolerances: fp32 1e-5; bf16 and
+fp16 5% of the update; both plus one rounding step of the parameter (with clipping, torch rounds the clipped gradient to the parameter's
+dtype before its step and we do not: a rounding of the gradient becomes a rounding step of an element; measured
+1.5% for bf16, 0.5% for fp16 after 12 steps). A missing weight decay (0.1% of the parameter per step, 10% of an
+update) or a wrong bias correction is far outside them.
+"""
 
 from __future__ import annotations
 
+import io
 import logging
 
 import pytest
@@ -9,58 +17,129 @@ import torch
 
 from _optim_reference import (
     LARGE_SHAPES,
-    assert_bf16_close,
-    assert_params_close,
-    bf16_reference_run,
+    assert_tracks,
     clone_params,
     make_params,
+    quadratic_run,
     run_pair,
     set_grads,
+    snapshot,
+    state_bytes,
     two_groups,
 )
 from fasttrain import FusedAdamW
 
+LOW = (torch.bfloat16, torch.float16)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+CLIP = 200.0  # the gradients' norm is ~537: clipping is active, and the clipped gradients stay above fp16's subnormals
 
-@pytest.mark.parametrize("clip", [None, 1.0, 1e6])
+
+def tolerance(dtype):
+    return {"rtol": 1e-5} if dtype == torch.float32 else {"rtol": 0.05}
+
+
+def norm_rtol(dtype):
+    return 1e-6 if dtype == torch.float32 else torch.finfo(dtype).eps  # one rounding step of the norm's dtype
+
+
+# -- default mode = the reference ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("clip", [None, CLIP])
 @pytest.mark.parametrize(("amsgrad", "maximize"), [(False, False), (True, True)])
-def test_fp32_matches_torch_adamw(clip, amsgrad, maximize):
+def test_default_matches_torch_fused(dtype, clip, amsgrad, maximize):
+    ours_p = make_params(LARGE_SHAPES, dtype=dtype)
+    ref_p = clone_params(ours_p)
+    start = snapshot(ours_p)
+    ours = FusedAdamW(two_groups(ours_p), lr=1e-2, amsgrad=amsgrad, maximize=maximize, backend="torch")
+    ref = torch.optim.AdamW(two_groups(ref_p), lr=1e-2, amsgrad=amsgrad, maximize=maximize, fused=True)
+    norms = run_pair(ours, ref, ours_p, ref_p, steps=12, clip=clip, lr_change_at=6)
+    for n_ours, n_ref in norms:
+        torch.testing.assert_close(n_ours, n_ref, rtol=norm_rtol(dtype), atol=0)
+    if clip is None:
+        # without a clip, the torch backend of the default mode is torch's own kernel call on the same tensors
+        for a, b in zip(ours_p, ref_p, strict=True):
+            assert torch.equal(a, b)
+    assert_tracks(ours_p, ref_p, start, **tolerance(dtype))
+    # same state, same memory: the keys, dtypes and shapes of torch's, and the moments track torch's
+    sd_ours, sd_ref = ours.state_dict()["state"], ref.state_dict()["state"]
+    for i in sd_ref:
+        assert sd_ours[i].keys() == sd_ref[i].keys()
+        for key, value in sd_ref[i].items():
+            assert (sd_ours[i][key].dtype, sd_ours[i][key].shape) == (value.dtype, value.shape), key
+        assert float(sd_ours[i]["step"]) == float(sd_ref[i]["step"]) == 12
+    assert state_bytes(ours) == state_bytes(ref)
+    zeros = [torch.zeros_like(p) for p in ours_p]
+    assert_tracks(
+        [ours.state[p]["exp_avg"] for p in ours_p], [ref.state[q]["exp_avg"] for q in ref_p], zeros,
+        **tolerance(dtype), what="exp_avg",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("clip", [None, CLIP])
+def test_default_fp32_matches_torch_foreach(clip):
+    # for bf16/fp16 parameters torch's foreach path computes in the parameter's dtype, its fused path in fp32:
+    # the default mode is the fused one (tested above)
     ours_p = make_params(LARGE_SHAPES)
     ref_p = clone_params(ours_p)
-    ours = FusedAdamW(two_groups(ours_p), lr=1e-2, amsgrad=amsgrad, maximize=maximize, backend="torch")
-    ref = torch.optim.AdamW(two_groups(ref_p), lr=1e-2, amsgrad=amsgrad, maximize=maximize)
-    norms = run_pair(ours, ref, ours_p, ref_p, steps=22, clip=clip)
-    for n_ours, n_ref in norms:
-        torch.testing.assert_close(n_ours, n_ref, rtol=1e-6, atol=0)
-    assert_params_close(ours_p, ref_p)
-    for p, q in zip(ours_p, ref_p, strict=True):
-        torch.testing.assert_close(ours.state[p]["exp_avg"], ref.state[q]["exp_avg"], rtol=1e-5, atol=1e-7)
-        assert float(ours.state[p]["step"]) == float(ref.state[q]["step"]) == 22
+    start = snapshot(ours_p)
+    ours = FusedAdamW(two_groups(ours_p), lr=1e-2, amsgrad=True, backend="torch")
+    ref = torch.optim.AdamW(two_groups(ref_p), lr=1e-2, amsgrad=True, foreach=True)
+    run_pair(ours, ref, ours_p, ref_p, steps=12, clip=clip, lr_change_at=6)
+    assert_tracks(ours_p, ref_p, start, rtol=1e-5)
 
 
-@pytest.mark.parametrize("clip", [None, 0.5])
-def test_bf16_within_bf16_rounding(clip):
-    ours_p = make_params(LARGE_SHAPES, dtype=torch.bfloat16)
-    ref_p = [torch.nn.Parameter(p.detach().float()) for p in ours_p]
-    ours = FusedAdamW(two_groups(ours_p), lr=1e-2, backend="torch")
-    bf16_reference_run(ours, ours_p, ref_p, steps=20, clip=clip)
-    assert all(p.dtype == torch.bfloat16 for p in ours_p)
-    assert all(ours.state[p]["exp_avg"].dtype == torch.float32 for p in ours_p)
-    # with clipping the reference rounds the clipped bf16 gradients, we do not: a parameter can land
-    # one rounding step away at some step, and over 20 steps x 280K elements a few such steps add up
-    assert_bf16_close(ours_p, ref_p, ulps=1 if clip is None else 4)
-    if clip is not None:
-        a = torch.cat([p.detach().float().reshape(-1) for p in ours_p])
-        b = torch.cat([p.detach().float().reshape(-1) for p in ref_p])
-        within_one = (a - b).abs() <= torch.maximum(a.abs(), b.abs()) * 2.0**-7
-        assert within_one.float().mean() > 0.99  # measured: 99.7%
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.float16])
+def test_grad_scaler_matches_torch_and_skips_inf_step(param_dtype):
+    ours_p = make_params(LARGE_SHAPES[:6], dtype=param_dtype)
+    ref_p = clone_params(ours_p)
+    start = snapshot(ours_p)
+    ours = FusedAdamW(ours_p, lr=1e-3, backend="torch")
+    ref = torch.optim.AdamW(ref_p, lr=1e-3, fused=True)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000) for _ in range(2)]
+    for s in scalers:
+        s.scale(torch.ones(()))  # creates the scale, as scaling the loss would
+    for step in range(6):
+        set_grads([ours_p, ref_p], step, scale=1024.0)
+        if step == 3:
+            for ps in (ours_p, ref_p):
+                ps[3].grad.view(-1)[0] = float("inf")
+            before = snapshot(ours_p)
+            states = [{k: v.clone() for k, v in ours.state[p].items()} for p in ours_p]
+        for opt, scaler in zip((ours, ref), scalers, strict=True):
+            scaler.step(opt)
+            scaler.update()
+        if step == 3:
+            assert scalers[0].get_scale() == 512.0  # the inf was seen
+            for p, b, st in zip(ours_p, before, states, strict=True):
+                assert torch.equal(p.detach(), b)
+                for k, v in st.items():
+                    assert torch.equal(ours.state[p][k], v), k
+    assert_tracks(ours_p, ref_p, start, **tolerance(param_dtype))
+    assert float(ours.state[ours_p[0]]["step"]) == 5
+
+
+def test_tensor_lr_equals_float_lr():
+    a = make_params(LARGE_SHAPES[:5])
+    b = clone_params(a)
+    start = snapshot(a)
+    oa = FusedAdamW(a, lr=torch.tensor(3e-3), backend="torch")
+    ob = FusedAdamW(b, lr=3e-3, backend="torch")
+    for step in range(4):
+        set_grads([a, b], step)
+        oa.step()
+        ob.step()
+    assert_tracks(a, b, start, rtol=1e-5)  # torch computes with a tensor lr in fp32, with a float in fp64
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0])
 def test_clip_norm_value_and_result(norm_type):
     ours_p = make_params(LARGE_SHAPES)
     ref_p = clone_params(ours_p)
+    start = snapshot(ours_p)
     ours = FusedAdamW(ours_p, lr=1e-2, backend="torch")
-    ref = torch.optim.AdamW(ref_p, lr=1e-2)
+    ref = torch.optim.AdamW(ref_p, lr=1e-2, fused=True)
     for step in range(3):
         set_grads([ours_p, ref_p], step)
         n_ours = ours.defer_clip_grad_norm_(0.7, norm_type=norm_type)
@@ -69,7 +148,8 @@ def test_clip_norm_value_and_result(norm_type):
         torch.testing.assert_close(n_ours, n_ref, rtol=1e-6, atol=0)
         ours.step()
         ref.step()
-    assert_params_close(ours_p, ref_p)
+    assert ours.deferred_clips_applied == 3
+    assert_tracks(ours_p, ref_p, start, rtol=1e-5)
 
 
 def test_nonfinite_norm_gives_what_torch_gives():
@@ -86,19 +166,19 @@ def test_nonfinite_norm_gives_what_torch_gives():
     ours.step()
     ref.step()
     for a, b in zip(ours_p, ref_p, strict=True):
-        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-6, equal_nan=True)
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
     assert torch.isnan(ours_p[2]).any()
 
 
 @pytest.mark.parametrize("direction", ["torch_to_ours", "ours_to_torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_state_dict_cross_loading(direction, dtype):
+def test_state_dict_cross_loading_with_torch(direction, dtype):
     shapes = LARGE_SHAPES[:6]
     p_a = make_params(shapes, dtype=dtype)
     p_b = clone_params(p_a)
     p_c = clone_params(p_a)
     make_ours = lambda ps: FusedAdamW(two_groups(ps), lr=1e-2, backend="torch")  # noqa: E731
-    make_torch = lambda ps: torch.optim.AdamW(two_groups(ps), lr=1e-2)  # noqa: E731
+    make_torch = lambda ps: torch.optim.AdamW(two_groups(ps), lr=1e-2, fused=True)  # noqa: E731
     first, second = (make_torch, make_ours) if direction == "torch_to_ours" else (make_ours, make_torch)
     opt_a = first(p_a)
     for step in range(5):
@@ -106,7 +186,7 @@ def test_state_dict_cross_loading(direction, dtype):
         opt_a.step()
     sd = opt_a.state_dict()
     assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
-    # the loaded optimizer continues exactly as the one that saved
+    # the loaded optimizer continues exactly as the one that saved: the default mode keeps torch's state as is
     with torch.no_grad():
         for b, c, a in zip(p_b, p_c, p_a, strict=True):
             b.copy_(a)
@@ -115,30 +195,18 @@ def test_state_dict_cross_loading(direction, dtype):
     opt_b.load_state_dict(sd)
     opt_c = first(p_c)
     opt_c.load_state_dict(sd)
-    if isinstance(opt_b, FusedAdamW):
-        assert all(s["exp_avg"].dtype == torch.float32 for s in opt_b.state.values())
-    # the loaded moments are the saved ones (cast to the loader's state dtype)
-    for p, q in zip(p_b, p_a, strict=True):
-        saved = opt_a.state[q]["exp_avg_sq"]
-        loaded = opt_b.state[p]["exp_avg_sq"]
-        assert torch.equal(loaded, saved.to(loaded.dtype))
     for step in range(5, 10):
         set_grads([p_b, p_c], step)
         opt_b.step()
         opt_c.step()
-    if dtype == torch.float32:
-        assert_params_close(p_b, p_c)
-    else:
-        # torch.optim.AdamW keeps bf16 moments and does its math in bf16, ours fp32: after 5 more steps
-        # the two agree only to a few bf16 ulps (exactness in bf16 is tested against an fp32 emulation)
-        for b, c in zip(p_b, p_c, strict=True):
-            torch.testing.assert_close(b.float(), c.float(), rtol=2**-4, atol=0.1)
+    for b, c in zip(p_b, p_c, strict=True):
+        assert torch.equal(b, c)
     assert float(opt_b.state[p_b[0]]["step"]) == 10
 
 
-def test_fp32_state_survives_own_round_trip():
+def test_float32_state_survives_own_round_trip():
     ps = make_params(LARGE_SHAPES[:4], dtype=torch.bfloat16)
-    opt = FusedAdamW(ps, lr=1e-2, backend="torch")
+    opt = FusedAdamW(ps, lr=1e-2, backend="torch", state_dtype=torch.float32)
     set_grads([ps], 0)
     opt.step()
     before = {i: s["exp_avg"].clone() for i, s in enumerate(opt.state.values())}
@@ -148,65 +216,166 @@ def test_fp32_state_survives_own_round_trip():
         assert torch.equal(s["exp_avg"], before[i])  # not rounded through bf16
 
 
-@pytest.mark.parametrize("param_dtype", [torch.float32, torch.float16])
-def test_grad_scaler_unscales_and_skips_inf_step(param_dtype):
-    ours_p = make_params(LARGE_SHAPES[:5], dtype=param_dtype)
+# -- state_dtype=float32 ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_float32_states_for_bf16_params_equal_fp32_math_rounded(clip):
+    """bf16 parameters with fp32 moments: torch's fused AdamW on fp32 copies, each result rounded to bf16."""
+    ours_p = make_params(LARGE_SHAPES, dtype=torch.bfloat16)
     ref_p = [torch.nn.Parameter(p.detach().float()) for p in ours_p]
-    ours = FusedAdamW(ours_p, lr=1e-3, backend="torch")
-    ref = torch.optim.AdamW(ref_p, lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
-    scaler.scale(torch.ones(()))  # creates the scale, as scaling the loss would
-    for step in range(6):
-        g = torch.Generator().manual_seed(step)
-        for p, q in zip(ours_p, ref_p, strict=True):
-            grad = torch.randn(p.shape, generator=g)
-            q.grad = grad.to(param_dtype).float()
-            p.grad = (grad.to(param_dtype).float() * scaler.get_scale()).to(param_dtype)
-        if step == 3:
-            ours_p[1].grad.view(-1)[0] = float("inf")
-            snapshot = [p.detach().clone() for p in ours_p]
-            states = [{k: v.clone() for k, v in ours.state[p].items()} for p in ours_p]
-        scaler.step(ours)
-        scaler.update()
-        if step == 3:
-            assert scaler.get_scale() == 512.0  # the inf was seen
-            for p, before, st in zip(ours_p, snapshot, states, strict=True):
-                assert torch.equal(p.detach(), before)
-                for k, v in st.items():
-                    assert torch.equal(ours.state[p][k], v), k
-            continue
+    start = snapshot(ours_p)
+    ours = FusedAdamW(two_groups(ours_p), lr=1e-2, backend="torch", state_dtype=torch.float32)
+    ref = torch.optim.AdamW(two_groups(ref_p), lr=1e-2, fused=True)
+    for step in range(8):
+        set_grads([ours_p], step)
+        for q, p in zip(ref_p, ours_p, strict=True):
+            q.grad = p.grad.float()
+        if clip is not None:
+            ours.defer_clip_grad_norm_(clip)
+            torch.nn.utils.clip_grad_norm_(ref_p, clip)
+        ours.step()
         ref.step()
         with torch.no_grad():
             for q in ref_p:
-                q.copy_(q.to(param_dtype).float())
+                q.copy_(q.bfloat16().float())
     for p, q in zip(ours_p, ref_p, strict=True):
-        tol = 1e-6 if param_dtype == torch.float32 else 2**-10
-        torch.testing.assert_close(p.detach().float(), q.detach(), rtol=tol, atol=tol)
-    assert float(ours.state[ours_p[0]]["step"]) == 5
+        assert ours.state[p]["exp_avg"].dtype == torch.float32
+        if clip is None:
+            assert torch.equal(p.float(), q)  # the same fp32 kernel on the same values, one rounding
+    assert_tracks(ours_p, ref_p, start, rtol=0.05)
+    assert state_bytes(ours) == 8 * sum(p.numel() for p in ours_p)
 
 
-def test_params_without_grad_are_skipped_and_lazy_state():
-    ps = make_params(LARGE_SHAPES[:4])
-    opt = FusedAdamW(ps, lr=1e-2, backend="torch")
-    assert len(opt.state) == 0
+# -- state_dtype="8bit" ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_8bit_tracks_fp32_states(dtype, amsgrad):
+    a = make_params(LARGE_SHAPES, dtype=dtype)
+    b = clone_params(a)
+    start = snapshot(a)
+    oa = FusedAdamW(two_groups(a), lr=1e-2, amsgrad=amsgrad, backend="torch", state_dtype="8bit")
+    ob = FusedAdamW(two_groups(b), lr=1e-2, amsgrad=amsgrad, backend="torch", state_dtype=torch.float32)
+    for step in range(20):
+        set_grads([a, b], step, scale=1 + 0.5 * (step % 3))
+        oa.defer_clip_grad_norm_(CLIP)
+        ob.defer_clip_grad_norm_(CLIP)
+        oa.step()
+        ob.step()
+    big = [i for i, p in enumerate(a) if p.numel() >= 4096]
+    small = [i for i, p in enumerate(a) if p.numel() < 4096]
+    # measured: 1.5% (fp32), 6% (bf16: bf16 roundings on top) of the update after 20 steps
+    tol = {"rtol": 0.05} if dtype == torch.float32 else {"rtol": 0.15}
+    assert_tracks([a[i] for i in big], [b[i] for i in big], [start[i] for i in big], **tol)
+    for i in small:  # below min_8bit_size: fp32 moments, the same computation
+        assert torch.equal(a[i], b[i])
+        assert oa.state[a[i]]["exp_avg"].dtype == torch.float32
+    for i in big:
+        state = oa.state[a[i]]
+        assert "exp_avg" not in state and state["exp_avg_codes"].dtype == torch.uint8
+        assert state["exp_avg_codes"].shape == a[i].shape
+        assert state["exp_avg_sq_absmax"].shape == ((a[i].numel() + 255) // 256,)
+        assert ("max_exp_avg_sq_codes" in state) == amsgrad
+    assert oa.deferred_clips_applied == 20
+    # 2 bytes + 8 per 256 elements for the quantized tensors, 8 bytes for the small ones
+    assert state_bytes(oa) <= 0.3 * state_bytes(ob)
+
+
+def test_8bit_threshold():
+    ps = make_params([(4096,), (4095,), (64, 64)])
+    opt = FusedAdamW(ps, backend="torch", state_dtype="8bit")
     set_grads([ps], 0)
-    ps[1].grad = None
-    before = ps[1].detach().clone()
     opt.step()
-    assert torch.equal(ps[1].detach(), before)
-    assert ps[1] not in opt.state and ps[0] in opt.state
+    assert ["exp_avg_codes" in opt.state[p] for p in ps] == [True, False, True]
+    opt = FusedAdamW(ps, backend="torch", state_dtype="8bit", min_8bit_size=5000)
+    opt.step()
+    assert all("exp_avg" in opt.state[p] for p in ps)
 
 
-def test_tensor_lr_equals_float_lr():
+@pytest.mark.parametrize(
+    ("state_dtype", "sr", "dtype"),
+    [("8bit", False, torch.float32), ("8bit", True, torch.bfloat16), (None, True, torch.bfloat16),
+     (torch.float32, True, torch.bfloat16)],
+)  # fmt: skip
+def test_state_dict_resumes_bit_exactly(state_dtype, sr, dtype):
+    make = lambda ps: FusedAdamW(  # noqa: E731
+        two_groups(ps), lr=1e-2, amsgrad=True, backend="torch", state_dtype=state_dtype,
+        bf16_stochastic_rounding=sr, min_8bit_size=1000,
+    )  # fmt: skip
+    a = make_params(LARGE_SHAPES[:7], dtype=dtype)
+    oa = make(a)
+    for step in range(3):
+        set_grads([a], step)
+        oa.step()
+    buf = io.BytesIO()
+    torch.save(oa.state_dict(), buf)
+    buf.seek(0)
+    b = clone_params(a)
+    ob = make(b)
+    ob.load_state_dict(torch.load(buf, weights_only=True))
+    for step in range(3, 6):
+        set_grads([a, b], step)
+        oa.defer_clip_grad_norm_(CLIP)
+        ob.defer_clip_grad_norm_(CLIP)
+        oa.step()
+        ob.step()
+    for p, q in zip(a, b, strict=True):
+        assert torch.equal(p, q)
+        assert oa.state[p].keys() == ob.state[q].keys()
+        for key, value in oa.state[p].items():
+            assert value.dtype == ob.state[q][key].dtype and torch.equal(value, ob.state[q][key]), key
+
+
+def test_8bit_skipped_step_leaves_codes():
+    ps = make_params([(5000,), (3,)])
+    opt = FusedAdamW(ps, lr=1e-2, backend="torch", state_dtype="8bit")
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    scaler.scale(torch.ones(()))
+    set_grads([ps], 0, scale=8.0)
+    scaler.step(opt)
+    scaler.update()
+    before = [{k: v.clone() for k, v in opt.state[p].items()} for p in ps]
+    params = snapshot(ps)
+    set_grads([ps], 1, scale=8.0)
+    ps[0].grad[0] = float("nan")
+    scaler.step(opt)
+    for p, b, st in zip(ps, params, before, strict=True):
+        assert torch.equal(p, b)
+        for k, v in st.items():
+            assert torch.equal(opt.state[p][k], v), k
+
+
+# -- stochastic rounding ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state_dtype", [None, "8bit"])
+def test_stochastic_rounding_tracks_fp32(state_dtype):
+    ref, start = quadratic_run(torch.float32, 100, "torch")
+    kwargs = {"state_dtype": state_dtype, "min_8bit_size": 1024}
+    nearest, _ = quadratic_run(torch.bfloat16, 100, "torch", **kwargs)
+    sr, _ = quadratic_run(torch.bfloat16, 100, "torch", bf16_stochastic_rounding=True, **kwargs)
+    off_nearest = float((nearest - ref).norm() / (ref - start).norm())
+    off_sr = float((sr - ref).norm() / (ref - start).norm())
+    assert off_nearest > 0.9  # updates below half a bf16 step: nearest rounding loses them all
+    assert off_sr < 0.4, off_sr  # measured: 0.23 (0.24 with 8-bit moments)
+
+
+def test_stochastic_rounding_only_touches_bf16():
     a = make_params(LARGE_SHAPES[:5])
     b = clone_params(a)
-    oa = FusedAdamW(a, lr=torch.tensor(3e-3), backend="torch")
-    ob = FusedAdamW(b, lr=3e-3, backend="torch")
-    for step in range(4):
+    oa = FusedAdamW(a, lr=1e-2, backend="torch", bf16_stochastic_rounding=True)
+    ob = FusedAdamW(b, lr=1e-2, backend="torch")
+    for step in range(3):
         set_grads([a, b], step)
         oa.step()
         ob.step()
-    assert_params_close(a, b)  # torch computes with a tensor lr in fp32, with a float in fp64
+    for p, q in zip(a, b, strict=True):
+        assert torch.equal(p, q)
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -221,6 +390,9 @@ def test_tensor_lr_equals_float_lr():
         ({"capturable": True}, "capturable"),
         ({"differentiable": True}, "differentiable"),
         ({"lr": torch.tensor([1e-3, 1e-3])}, "one element"),
+        ({"state_dtype": "fp8"}, "unknown state_dtype 'fp8'.*'8bit'"),
+        ({"state_dtype": torch.bfloat16}, "unknown state_dtype torch.bfloat16"),
+        ({"min_8bit_size": 0}, "min_8bit_size"),
     ],
 )
 def test_invalid_hyperparameters_refused(kwargs, match):
@@ -232,21 +404,97 @@ def test_invalid_group_hyperparameters_refused():
     ps = make_params([(3,), (4,)])
     with pytest.raises(ValueError, match="param group 1: invalid learning rate"):
         FusedAdamW([{"params": ps[:1]}, {"params": ps[1:], "lr": -1.0}])
+    with pytest.raises(ValueError, match="param group 1: unknown state_dtype '4bit'"):
+        FusedAdamW([{"params": ps[:1]}, {"params": ps[1:], "state_dtype": "4bit"}])
 
 
-def test_sparse_gradients_refused():
+@pytest.mark.parametrize("state_dtype", [None, "8bit"])
+def test_sparse_gradients_refused(state_dtype):
     emb = torch.nn.Embedding(10, 4, sparse=True)
-    opt = FusedAdamW(emb.parameters(), backend="torch")
-    emb(torch.tensor([1, 2])).sum().backward()
-    with pytest.raises(ValueError, match="sparse"):
+    lin = torch.nn.Linear(4, 1)
+    opt = FusedAdamW(
+        [{"params": lin.parameters()}, {"params": emb.parameters()}], backend="torch", state_dtype=state_dtype
+    )
+    lin(emb(torch.tensor([1, 2]))).sum().backward()
+    match = "param group 1: parameter 0 has a sparse gradient.*SparseAdam"
+    with pytest.raises(ValueError, match=match):
         opt.step()
-    with pytest.raises(ValueError, match="sparse"):
+    with pytest.raises(ValueError, match=match):
         opt.defer_clip_grad_norm_(1.0)
+
+
+@pytest.mark.parametrize(
+    ("saved", "loading"),
+    [("8bit", None), (None, "8bit"), ("float32", None), (None, "float32"), ("torch", "8bit")],
+)
+def test_state_dict_from_another_mode_refused(saved, loading):
+    ps = make_params([(5000,), (7,)])
+    if saved == "torch":
+        first = torch.optim.AdamW([{"params": ps[:1]}, {"params": ps[1:]}])
+    else:
+        first = FusedAdamW([{"params": ps[:1]}, {"params": ps[1:]}], backend="torch", state_dtype=saved)
+    set_grads([ps], 0)
+    first.step()
+    second = FusedAdamW([{"params": ps[:1]}, {"params": ps[1:]}], backend="torch", state_dtype=loading)
+    with pytest.raises(ValueError, match=r"param group 0.*(state_dtype|8 bits)") as err:
+        second.load_state_dict(first.state_dict())
+    assert "construct FusedAdamW" in str(err.value)
+
+
+def test_state_dict_with_other_8bit_threshold_refused():
+    ps = make_params([(5000,)])
+    first = FusedAdamW(ps, backend="torch", state_dtype="8bit")
+    set_grads([ps], 0)
+    first.step()
+    second = FusedAdamW(ps, backend="torch", state_dtype="8bit", min_8bit_size=10_000)
+    with pytest.raises(ValueError, match="param group 0, parameter 0: the state dict holds 8-bit moments"):
+        second.load_state_dict(first.state_dict())
+
+
+def test_torch_state_dict_loads_into_float32_mode():
+    ps = make_params([(300,)], dtype=torch.bfloat16)
+    ref = torch.optim.AdamW(ps, fused=True)
+    set_grads([ps], 0)
+    ref.step()
+    opt = FusedAdamW(ps, backend="torch", state_dtype=torch.float32, bf16_stochastic_rounding=True)
+    opt.load_state_dict(ref.state_dict())
+    state = opt.state[ps[0]]
+    assert state["exp_avg"].dtype == torch.float32
+    assert torch.equal(state["exp_avg"], ref.state[ps[0]]["exp_avg"].float())
+    assert opt.param_groups[0]["bf16_stochastic_rounding"]  # our settings are the constructor's
+
+
+# -- plumbing ----------------------------------------------------------------------------------------------------
+
+
+def test_params_without_grad_are_skipped_and_lazy_state():
+    ps = make_params(LARGE_SHAPES[:4])
+    opt = FusedAdamW(ps, lr=1e-2, backend="torch")
+    assert len(opt.state) == 0
+    set_grads([ps], 0)
+    ps[1].grad = None
+    before = ps[1].detach().clone()
+    opt.step()
+    assert torch.equal(ps[1].detach(), before)
+    assert ps[1] not in opt.state and ps[0] in opt.state
+
+
+def test_deferred_clips_counted_only_when_finite():
+    ps = make_params([(10,)])
+    opt = FusedAdamW(ps, backend="torch", state_dtype="8bit")
+    set_grads([ps], 0)
+    opt.defer_clip_grad_norm_(1.0)
+    opt.step()
+    opt.defer_clip_grad_norm_(float("inf"))
+    opt.step()
+    opt.step()
+    assert opt.deferred_clips_applied == 1
 
 
 def test_auto_backend_on_cpu_uses_torch_and_logs(caplog):
     ps = make_params(LARGE_SHAPES[:3])
     ref_p = clone_params(ps)
+    start = snapshot(ps)
     opt = FusedAdamW(ps, lr=1e-2)
     ref = torch.optim.AdamW(ref_p, lr=1e-2)
     from fasttrain import _logging
@@ -255,7 +503,7 @@ def test_auto_backend_on_cpu_uses_torch_and_logs(caplog):
     with caplog.at_level(logging.INFO, logger="fasttrain"):
         run_pair(opt, ref, ps, ref_p, steps=3, clip=1.0)
     assert "using torch's fused AdamW" in caplog.text
-    assert_params_close(ps, ref_p)
+    assert_tracks(ps, ref_p, start, rtol=1e-5)
 
 
 def test_accelerate_wrapped_optimizer():
@@ -264,6 +512,7 @@ def test_accelerate_wrapped_optimizer():
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     ref_model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     ref_model.load_state_dict(model.state_dict())
+    start = snapshot(ref_model.parameters())
     accelerator = accelerate.Accelerator(cpu=True)
     opt = FusedAdamW(model.parameters(), lr=1e-2)
     model, opt = accelerator.prepare(model, opt)
@@ -278,8 +527,7 @@ def test_accelerate_wrapped_optimizer():
         torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
         opt.step()
         ref.step()
-    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert_tracks(list(model.parameters()), list(ref_model.parameters()), start, rtol=1e-5)
     sd = opt.state_dict()
     opt.load_state_dict(sd)
     assert float(opt.optimizer.state[next(model.parameters())]["step"]) == 5

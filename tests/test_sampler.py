@@ -92,11 +92,53 @@ def test_length_containers(lengths):
 @pytest.mark.parametrize("batch_size", [1, 3, 1000, 2**70])
 def test_tiny_datasets_and_huge_batches(n, batch_size):
     lengths = [3, 1, 4, 1, 5][:n]
-    ours = list(fasttrain.LengthGroupedSampler(batch_size, lengths=lengths, generator=gen(0)))
-    if n == 0:
-        assert ours == []  # transformers fails here (torch.argmax of an empty tensor)
+    ours = fasttrain.LengthGroupedSampler(batch_size, lengths=lengths, generator=gen(0))
+    ref = RefSampler(batch_size, lengths=lengths, generator=gen(0))
+    assert len(ours) == len(ref) == n
+    if n == 0:  # transformers raises IndexError (torch.argmax of an empty tensor) on iteration
+        with pytest.raises(IndexError):
+            list(ref)
+        with pytest.raises(IndexError, match="empty dataset"):
+            list(ours)
     else:
-        assert ours == list(RefSampler(batch_size, lengths=lengths, generator=gen(0)))
+        assert list(ours) == list(ref)
+
+
+def test_empty_dataset_raises_like_transformers_and_advances_the_generator_alike():
+    import datasets
+
+    empty = [
+        datasets.Dataset.from_dict({"input_ids": []}),
+        datasets.Dataset.from_dict({"input_ids": [[1, 2]]}).select([]),
+        [],
+    ]
+    for ds in empty:  # lengths read from the dataset: transformers' dataset[0] raises at construction
+        for cls in (fasttrain.LengthGroupedSampler, RefSampler):
+            with pytest.raises(IndexError):
+                cls(4, dataset=ds)
+        for cls in (fasttrain.DistributedLengthGroupedSampler, RefDistributed):
+            with pytest.raises(IndexError):
+                cls(4, dataset=ds, num_replicas=2, rank=0)
+    # lengths given: both construct, and raise on iteration after drawing the same permutation
+    ours = fasttrain.LengthGroupedSampler(4, lengths=[], generator=gen(3))
+    ref = RefSampler(4, lengths=[], generator=gen(3))
+    for sampler in (ours, ref):
+        with pytest.raises(IndexError):
+            iter(sampler)
+    assert torch.equal(ours.generator.get_state(), ref.generator.get_state())
+    for cls in (fasttrain.DistributedLengthGroupedSampler, RefDistributed):
+        with pytest.raises(IndexError):
+            iter(cls(4, lengths=[], num_replicas=2, rank=0))
+
+
+def test_iterations_started_counts_each_epoch():
+    s = fasttrain.LengthGroupedSampler(2, lengths=[1, 2, 3], generator=gen(0))
+    d = fasttrain.DistributedLengthGroupedSampler(2, lengths=[1, 2, 3], num_replicas=2, rank=0)
+    for sampler in (s, d):
+        assert sampler.iterations_started == 0
+        list(sampler)
+        iter(sampler)
+        assert sampler.iterations_started == 2
 
 
 # --- distributed ---
@@ -113,13 +155,19 @@ def test_distributed_matches_and_partitions(world_size, n, drop_last):
             kwargs = dict(num_replicas=world_size, rank=rank, seed=7, drop_last=drop_last, lengths=lengths)
             ours = fasttrain.DistributedLengthGroupedSampler(4, **kwargs)
             ours.set_epoch(epoch)
+            ref = RefDistributed(4, **kwargs)
+            ref.set_epoch(epoch)
+            assert len(ours) == len(ref)
+            padding = -n % world_size
+            if not drop_last and padding > n:  # padding longer than the order: transformers asserts
+                with pytest.raises(AssertionError):
+                    list(ref)
+                with pytest.raises(ValueError, match="too few to pad"):
+                    list(ours)
+                return
             got = list(ours)
+            assert got == list(ref)
             assert len(got) == len(ours)
-            if drop_last or n >= world_size:  # transformers asserts when padding exceeds the order
-                ref = RefDistributed(4, **kwargs)
-                ref.set_epoch(epoch)
-                assert got == list(ref)
-                assert len(ours) == len(ref)
             union += got
         if n % world_size == 0:  # no padding, nothing dropped: every index exactly once
             assert sorted(union) == list(range(n))
@@ -214,54 +262,6 @@ def test_pickle_distributed():
     assert list(clone) == list(s) and clone.epoch == 4 and len(clone) == len(s)
 
 
-# --- the native torch.randperm ---
-
-
-@settings(max_examples=40, deadline=None)
-@given(n=st.integers(0, 5000), seed=st.integers(0, 2**63 - 1), draws_before=st.integers(0, 1500))
-def test_native_randperm_is_torch_randperm(n, seed, draws_before):
-    from fasttrain.data.sampler import randperm
-
-    ours, theirs = gen(seed), gen(seed)
-    for g in (ours, theirs):
-        torch.rand(draws_before, generator=g)
-    assert randperm(n, ours).tolist() == torch.randperm(n, generator=theirs).tolist()
-    assert torch.equal(ours.get_state(), theirs.get_state())  # the generator advanced identically
-    assert torch.rand(3, generator=ours).tolist() == torch.rand(3, generator=theirs).tolist()
-
-
-def test_native_randperm_at_a_million_and_on_the_global_generator():
-    from fasttrain.data.sampler import randperm
-
-    ours, theirs = gen(11), gen(11)
-    assert np.array_equal(randperm(1_000_000, ours), torch.randperm(1_000_000, generator=theirs).numpy())
-    assert torch.equal(ours.get_state(), theirs.get_state())
-    torch.manual_seed(5)
-    mine = randperm(777)
-    torch.manual_seed(5)
-    assert mine.tolist() == torch.randperm(777).tolist()
-
-
-def test_falls_back_to_torch_randperm_when_the_check_fails(monkeypatch, caplog):
-    from fasttrain import _logging
-    from fasttrain.data import sampler
-
-    def wrong(n, state):
-        return np.arange(n, dtype=np.int64), state
-
-    monkeypatch.setattr(sampler._native, "torch_randperm", wrong)
-    monkeypatch.setattr(_logging, "_said", set())
-    sampler._native_randperm_agrees.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="fasttrain"):
-            lengths = list(range(300))
-            ours = list(fasttrain.LengthGroupedSampler(4, lengths=lengths, generator=gen(1)))
-        assert ours == list(RefSampler(4, lengths=lengths, generator=gen(1)))
-        assert "using torch.randperm" in caplog.text
-    finally:
-        sampler._native_randperm_agrees.cache_clear()
-
-
 def test_native_bad_arrays_raise_value_errors():
     from fasttrain import _native
 
@@ -269,7 +269,5 @@ def test_native_bad_arrays_raise_value_errors():
         _native.length_grouped_indices(np.array([5, 0]), np.array([1, 2]), 1)
     with pytest.raises(ValueError, match="contiguous"):
         _native.length_grouped_indices(np.arange(4)[::2], np.array([1, 2]), 1)
-    with pytest.raises(ValueError, match="5056 bytes"):
-        _native.torch_randperm(3, np.zeros(10, dtype=np.uint8))
-    with pytest.raises(ValueError, match="rank must be in"):
-        _native.distributed_rank_indices(np.arange(3), 2, 5, False)
+    with pytest.raises(ValueError, match="2 entries but there are 3 lengths"):
+        _native.length_grouped_indices(np.array([1, 0]), np.array([1, 2, 3]), 1)

@@ -7,43 +7,28 @@ __version__: str
 
 # --- collate --- (rust/collate/python.rs)
 
-def pad_features(
-    features: list[object],
-    keys: list[tuple[str, int]],
-    *,
-    padding: str,
-    max_length: int | None,
-    pad_to_multiple_of: int | None,
-    padding_side: str,
-    attention_mask: bool,
-) -> list[npt.NDArray[np.int64]]:
-    """Pad `keys` (name, pad value) of a list of feature mappings to one width (tokenizer.pad rules).
+def read_rows(
+    rows: list[object], key: str, indices: list[int] | None = None
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """(values, lengths) of token sequences (lists, tuples, integer numpy arrays, torch tensors), both int64.
 
-    `padding` is "longest", "max_length" or "do_not_pad". The first key decides the width; the
-    others must have its lengths. One int64 [batch, width] array per key, then the attention mask
-    when `attention_mask` is true. ValueError/TypeError/KeyError name the example and the key.
+    TypeError/ValueError name example `indices[i]` (default `i`) and `key`.
     """
 
-def causal_lm_labels(input_ids: npt.NDArray[np.int64], pad_token_id: int | None) -> npt.NDArray[np.int64]:
-    """A copy of 2-d `input_ids` with values equal to `pad_token_id` set to -100."""
-
-def flatten_features(
-    features: list[object],
+def pad_rows(
+    values: npt.NDArray[np.int64],
+    lengths: npt.NDArray[np.int64],
     *,
-    separator_id: int,
-    position_ids_start: int,
-    position_ids: bool,
-    seq_idx: bool,
-    flash_attn_kwargs: bool,
-) -> tuple[
-    npt.NDArray[np.int64],
-    npt.NDArray[np.int64],
-    npt.NDArray[np.int64] | None,
-    npt.NDArray[np.int32] | None,
-    npt.NDArray[np.int32] | None,
-    int,
-]:
-    """DataCollatorWithFlattening's batch: (input_ids, labels, position_ids, seq_idx, cu_seq_lens, max_length)."""
+    width: int,
+    pad_value: int,
+    side: str,
+    key: str,
+) -> npt.NDArray[np.int64]:
+    """The rows (values, lengths) padded to int64 [len(lengths), width] with `pad_value` on `side`.
+
+    ValueError for a row longer than `width` (naming the example and `key`); MemoryError when the output
+    cannot be allocated.
+    """
 # --- end collate ---
 
 # --- sampler --- (rust/sampler/python.rs)
@@ -55,13 +40,5 @@ def length_grouped_indices(
     mega_batch_mult: int | None = None,
 ) -> npt.NDArray[np.int64]:
     """transformers' get_length_grouped_indices given the permutation torch.randperm(len(lengths))."""
-
-def distributed_rank_indices(
-    indices: npt.NDArray[np.int64], num_replicas: int, rank: int, drop_last: bool
-) -> npt.NDArray[np.int64]:
-    """The indices of `rank` out of one epoch's order (DistributedLengthGroupedSampler)."""
-
-def torch_randperm(n: int, state: npt.NDArray[np.uint8]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint8]]:
-    """torch.randperm(n, generator=g) from g.get_state(): the permutation and the state for g.set_state()."""
 
 # --- end sampler ---

@@ -155,19 +155,16 @@ def _settle(seam: _Seam, optimizer: Any) -> None:
 
 
 def _swap_collator(trainer: Any, seam: _Seam) -> None:
-    from .data.collators import native_equivalent
+    from .data.collators import native_equivalent, why_no_native_equivalent
 
     current = trainer.data_collator
     if type(current).__module__.startswith("fasttrain."):
         return  # already ours ("on" once the Trainer's loaders run it)
     native = native_equivalent(current)
     if native is None:
-        cls = current if inspect.isfunction(current) else type(current)
-        name = f"{cls.__module__}.{cls.__qualname__}"
-        if getattr(current, "mlm", False):
-            seam.off("collator", f"{name} with mlm=True (masked-LM collation) stays with transformers")
-        else:
-            seam.off("collator", f"{name} has no native equivalent", fallback=False)
+        # a masked-LM collator is one we replace in kind but not in this setting: a fallback; a user's own
+        # function or subclass is simply not ours to replace
+        seam.off("collator", why_no_native_equivalent(current), fallback=bool(getattr(current, "mlm", False)))
         return
     trainer.data_collator = native
 
@@ -211,7 +208,10 @@ def _train_sampler(trainer: Any, original: Callable[..., Any], train_dataset: An
     column = trainer.args.length_column_name
     given = trainer.train_dataset
     source = given if column in getattr(given, "column_names", ()) and len(given) == len(dataset) else dataset
-    lengths = lengths_from_dataset(source, model_input_name or "input_ids", length_column=column)
+    if len(source) == 0 and column not in getattr(source, "column_names", ()):
+        lengths = None  # the sampler then fails on the empty dataset as transformers' does (IndexError)
+    else:
+        lengths = lengths_from_dataset(source, model_input_name or "input_ids", length_column=column)
     seam.sampler = LengthGroupedSampler(
         trainer.args.train_batch_size * trainer.args.gradient_accumulation_steps,
         dataset=dataset,
@@ -280,10 +280,10 @@ def _settle_after_first_step(seam: _Seam, optimizer: torch.optim.Optimizer) -> N
 # FusedAdamW options a user can set without touching the script: `--optim_args "state_dtype=8bit"` (or
 # TrainingArguments(optim_args=...)), or FASTTRAIN_OPTIM_ARGS in the environment (optim_args wins).
 _OPTION_PARSERS: dict[str, Callable[[str], Any]] = {
-    "state_dtype": lambda v: {"none": None, "param": None, "float32": torch.float32, "fp32": torch.float32}.get(
-        v.lower(), v
-    ),
+    "state_dtype": str,  # None/"param" (the reference), "float32", "8bit": FusedAdamW checks the value
     "bf16_stochastic_rounding": lambda v: _parse_bool(v),
+    "min_8bit_size": int,
+    "sr_seed": int,
     "amsgrad": lambda v: _parse_bool(v),
     "maximize": lambda v: _parse_bool(v),
     "backend": str,

@@ -6,7 +6,7 @@
 //! names the example index and the key.
 
 use numpy::{PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
-use pyo3::exceptions::{PyKeyError, PyOverflowError};
+use pyo3::exceptions::PyOverflowError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -15,46 +15,6 @@ use pyo3::types::{PyBool, PyDict, PyFloat, PyList, PyString, PyTuple, PyType};
 use crate::errors::DataError;
 
 use super::ragged::Ragged;
-
-/// The value of `key` in example `index` (a dict, or any mapping), or a KeyError naming both.
-pub(crate) fn lookup<'py>(
-    example: &Bound<'py, PyAny>,
-    key: &Bound<'py, PyString>,
-    index: usize,
-) -> PyResult<Bound<'py, PyAny>> {
-    let missing = || DataError::key(format!("example {index} has no key '{key}'"));
-    if let Ok(dict) = example.cast::<PyDict>() {
-        return dict.get_item(key)?.ok_or_else(|| missing().into());
-    }
-    match example.get_item(key) {
-        Ok(value) => Ok(value),
-        Err(e) if e.is_instance_of::<PyKeyError>(example.py()) => Err(missing().into()),
-        Err(_) if !example.hasattr("keys")? => Err(DataError::type_(format!(
-            "example {index} is a {}, expected a mapping (dict) of features",
-            type_name(example)
-        ))
-        .into()),
-        Err(e) => Err(e),
-    }
-}
-
-/// Whether example `index` has `key` (dicts and mappings).
-pub(crate) fn has_key(
-    example: &Bound<'_, PyAny>,
-    key: &Bound<'_, PyString>,
-    index: usize,
-) -> PyResult<bool> {
-    if let Ok(dict) = example.cast::<PyDict>() {
-        return dict.contains(key);
-    }
-    example.contains(key).map_err(|_| {
-        DataError::type_(format!(
-            "example {index} is a {}, expected a mapping (dict) of features",
-            type_name(example)
-        ))
-        .into()
-    })
-}
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()

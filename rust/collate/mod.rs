@@ -1,11 +1,8 @@
-//! Collation of token sequences: the Rust side of fasttrain's drop-in data collators.
-//!
-//! `ragged`, `pad` and `flatten` are pure Rust (no Python types) so `cargo test` covers the
-//! logic without an interpreter. `extract` reads Python values (lists, tuples, numpy arrays,
-//! torch tensors) into `Ragged` buffers, and `python` holds the `#[pyfunction]`s, which extract
-//! once with the GIL held, do the work with it released and hand back numpy arrays.
+//! The two native steps of fasttrain's collators: reading token sequences out of Python objects
+//! into one flat buffer (`extract`, GIL held: it walks Python lists), and padding that buffer into
+//! a `[rows, width]` batch (`pad`, pure Rust, GIL released). Everything else a collator does
+//! (widths, labels, masks, positions) is a few numpy operations on the results, in Python.
 
-pub mod flatten;
 pub mod pad;
 pub mod ragged;
 

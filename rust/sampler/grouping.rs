@@ -1,7 +1,6 @@
 //! `get_length_grouped_indices` after the permutation: split the permutation into megabatches,
 //! sort each by length (descending, stable), and move the globally longest example to the front.
 
-use super::prefetch::prefetch;
 use crate::errors::{DataError, DataResult};
 
 /// Upper bound of the default megabatch multiplier (transformers: `min(n // (4 * bs), 50)`).
@@ -34,7 +33,7 @@ pub fn megabatch_size(
 }
 
 /// Checks that every length is non-negative; the error names the first bad one.
-pub fn validate_lengths(lengths: &[i64]) -> DataResult<()> {
+fn validate_lengths(lengths: &[i64]) -> DataResult<()> {
     match lengths.iter().position(|&l| l < 0) {
         None => Ok(()),
         Some(i) => Err(DataError::value(format!(
@@ -71,7 +70,7 @@ fn validate_permutation(permutation: &[i64], n: usize) -> DataResult<()> {
 /// megabatches, each sorted by descending length with ties kept in permutation order (Python's
 /// `sorted(..., reverse=True)` is stable), after swapping the first element of the first megabatch
 /// with the first element of the first megabatch holding the maximum length (`torch.argmax`
-/// returns the first maximum).
+/// returns the first maximum). An empty permutation stays empty (the caller decides what that means).
 pub fn group_by_length(
     permutation: &mut [i64],
     lengths: &[i64],
@@ -85,52 +84,26 @@ pub fn group_by_length(
     if n == 0 {
         return Ok(());
     }
-
-    let max_len = lengths.iter().copied().max().unwrap_or(0);
-    let sort = |part: &mut [i64]| sort_megabatches(part, lengths, size, max_len);
-    // Megabatches are independent: large orders are split between threads at megabatch boundaries.
-    let threads = worker_count(n);
-    if threads > 1 {
-        let megabatches_per_thread = n.div_ceil(size).div_ceil(threads);
-        std::thread::scope(|scope| {
-            for part in permutation.chunks_mut(megabatches_per_thread.saturating_mul(size)) {
-                scope.spawn(|| sort(part));
-            }
-        });
-    } else {
-        sort(permutation);
-    }
+    sort_megabatches(permutation, lengths, size);
     longest_to_front(permutation, lengths, size);
     Ok(())
-}
-
-/// Below this many indices a thread costs more than it saves.
-const MIN_INDICES_PER_THREAD: usize = 1 << 17;
-
-fn worker_count(n: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-    cores.min(n / MIN_INDICES_PER_THREAD).max(1)
 }
 
 /// Sorts each megabatch of `permutation` by descending length, ties in their original order.
 ///
 /// The key `max_len - length` sorted ascending by a stable LSD radix sort (one pass per byte of
-/// `max_len`, so two for lengths below 65,536) is exactly Python's `sorted(..., reverse=True)`, and
-/// several times faster than a comparison sort at megabatch sizes (hundreds of entries). The lengths
-/// of the next megabatch (random reads) are prefetched while the current one is sorted.
-fn sort_megabatches(permutation: &mut [i64], lengths: &[i64], size: usize, max_len: i64) {
+/// `max_len`, so two for lengths below 65,536) is exactly Python's `sorted(..., reverse=True)`,
+/// and about twice as fast as the standard library's stable sort from a million indices
+/// (benchmarks/results/sampler.threads.md).
+fn sort_megabatches(permutation: &mut [i64], lengths: &[i64], size: usize) {
+    let max_len = lengths.iter().copied().max().unwrap_or(0);
     let passes = (u64::BITS - (max_len as u64).leading_zeros()).div_ceil(8) as usize;
     let capacity = size.min(permutation.len());
     let mut keyed: Vec<(u64, i64)> = Vec::with_capacity(capacity);
     let mut spare: Vec<(u64, i64)> = Vec::with_capacity(capacity);
-    let mut start = 0;
-    while start < permutation.len() {
-        let end = start.saturating_add(size).min(permutation.len());
-        for &index in &permutation[end..end.saturating_add(size).min(permutation.len())] {
-            prefetch(lengths, index as usize);
-        }
-        let megabatch = &mut permutation[start..end];
+    for megabatch in permutation.chunks_mut(size) {
         keyed.clear();
+        // Indices were validated against lengths.len(), and lengths are in [0, max_len].
         keyed.extend(
             megabatch
                 .iter()
@@ -140,7 +113,6 @@ fn sort_megabatches(permutation: &mut [i64], lengths: &[i64], size: usize, max_l
         for (slot, &(_, index)) in megabatch.iter_mut().zip(&keyed) {
             *slot = index;
         }
-        start = end;
     }
 }
 
@@ -173,7 +145,7 @@ fn radix_sort_stable(items: &mut Vec<(u64, i64)>, spare: &mut Vec<(u64, i64)>, p
 }
 
 /// Swaps the head of the first megabatch with the head of the first megabatch whose head (its
-/// longest example) is the overall maximum.
+/// longest example) is the overall maximum. `permutation` is not empty.
 fn longest_to_front(permutation: &mut [i64], lengths: &[i64], size: usize) {
     let mut best_start = 0;
     let mut best_len = lengths[permutation[0] as usize];

@@ -1,21 +1,19 @@
-"""Drop-in ``LengthGroupedSampler`` and ``DistributedLengthGroupedSampler`` (Rust index order).
+"""Drop-in ``LengthGroupedSampler`` and ``DistributedLengthGroupedSampler`` (grouping in Rust).
 
 Same constructor arguments and the same index order as ``transformers.trainer_pt_utils``' classes for
-the same generator state: the permutation is ``torch.randperm(n, generator=generator)`` (reproduced
-natively from a CPU generator's state, see :func:`randperm`); the megabatch split, the stable
-descending sort by length and the longest-first swap run in Rust without the GIL. Lengths of a
-``datasets.Dataset`` come from Arrow (see :mod:`fasttrain.data.lengths`) instead of a Python pass over
-every row.
+the same generator state: the permutation is ``torch.randperm(n, generator=generator)``, drawn exactly as
+transformers draws it; the megabatch split, the stable descending sort by length and the longest-first
+swap run in Rust without the GIL. Lengths of a ``datasets.Dataset`` come from Arrow (see
+:mod:`fasttrain.data.lengths`) instead of a Python pass over every row.
 
-Differences from transformers, all where transformers fails: an empty dataset gives an empty order
-(transformers raises in ``torch.argmax``); a distributed order shorter than the padding it needs is
-repeated cyclically (transformers fails an assertion); bad lengths or sizes raise ValueError up front.
+An empty dataset raises IndexError where transformers' samplers raise it: at construction when the lengths
+are to be read from the dataset (transformers reads ``dataset[0]``), on iteration when given as ``lengths=[]``
+(``torch.argmax`` of nothing); a distributed order too short to pad raises where transformers fails an assertion. Bad
+lengths or sizes raise ValueError up front. Each sampler counts its epochs in ``iterations_started``.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
 import numbers
 from collections.abc import Iterator
@@ -26,21 +24,10 @@ import torch
 from torch.utils.data import DistributedSampler, Sampler
 
 from .. import _native
-from .._logging import log_once
 from .lengths import as_length_array, lengths_from_dataset
 
 # Larger batch sizes behave exactly like one megabatch holding everything; clamp so Rust gets a usize.
 _MAX_NATIVE_SIZE = 2**62
-# torch.randperm shuffles with 32-bit draws for n < UINT32_MAX / 20 (the native copy's range).
-_NATIVE_RANDPERM_MAX_N = (2**32 - 1) // 20
-# Indices are turned into Python ints this many at a time, as the iteration reaches them.
-_INT_CHUNK = 1 << 16
-
-
-def _python_ints(order: np.ndarray) -> Iterator[int]:
-    """Iterate ``order`` as Python ints (like transformers' list) without converting it all up front."""
-    chunks = (order[start : start + _INT_CHUNK] for start in range(0, len(order), _INT_CHUNK))
-    return itertools.chain.from_iterable(map(np.ndarray.tolist, chunks))
 
 
 def _positive_int(value: Any, what: str) -> int:
@@ -55,6 +42,11 @@ def _resolve_lengths(dataset: Any, lengths: Any, model_input_name: str | None) -
     if dataset is None and lengths is None:
         raise ValueError("One of dataset and lengths must be provided.")
     if lengths is None:
+        if hasattr(dataset, "__len__") and len(dataset) == 0:
+            # transformers reads dataset[0] first, which raises IndexError for an empty dataset.
+            raise IndexError(
+                "cannot infer lengths from an empty dataset (transformers' sampler raises this too)"
+            )
         return lengths_from_dataset(dataset, model_input_name)
     array = as_length_array(lengths)
     if dataset is not None and hasattr(dataset, "__len__") and len(dataset) != len(array):
@@ -62,64 +54,28 @@ def _resolve_lengths(dataset: Any, lengths: Any, model_input_name: str | None) -
     return array
 
 
-def randperm(n: int, generator: torch.Generator | None = None) -> np.ndarray:
-    """``torch.randperm(n, generator=generator).numpy()``, the same permutation and generator state after.
-
-    For a CPU generator the shuffle runs natively from the generator's state (torch's own loop is the
-    slowest step of an epoch's order at a million indices); anything else, or a torch whose generator
-    does not pass the one-time check against ``torch.randperm``, uses ``torch.randperm`` itself.
-    """
-    if generator is None:
-        generator = torch.default_generator
-    if generator.device.type != "cpu" or n >= _NATIVE_RANDPERM_MAX_N or not _native_randperm_agrees():
-        return torch.randperm(n, generator=generator).numpy()
-    # torch holds the generator's lock for one randperm; here get/set_state bracket the shuffle instead,
-    # which differs only if another thread draws from the same generator at the same moment.
-    permutation, state = _native.torch_randperm(n, generator.get_state().numpy())
-    generator.set_state(torch.from_numpy(state))
-    return permutation
-
-
-@functools.cache
-def _native_randperm_agrees() -> bool:
-    """Once per process: the native shuffle gives torch.randperm's permutation and generator state."""
-    try:
-        for seed, draws_before, n in ((0, 0, 0), (1, 0, 1), (2, 3, 2), (3, 700, 1000), (4, 5, 5000)):
-            ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-            for g in (ours, theirs):
-                torch.randint(0, 2**31, (draws_before,), generator=g)  # a state mid-block
-            permutation, state = _native.torch_randperm(n, ours.get_state().numpy())
-            ours.set_state(torch.from_numpy(state))
-            expected = torch.randperm(n, generator=theirs).numpy()
-            if not np.array_equal(permutation, expected) or not torch.equal(
-                ours.get_state(), theirs.get_state()
-            ):
-                raise ValueError(f"differs from torch.randperm at seed={seed}, n={n}")
-    except (ValueError, RuntimeError) as err:
-        log_once(
-            "sampler-native-randperm",
-            f"fasttrain sampler: using torch.randperm (the native shuffle does not match this torch: {err})",
-        )
-        return False
-    return True
-
-
 def length_grouped_indices(
-    lengths: np.ndarray,
+    lengths: Any,
     batch_size: int,
     mega_batch_mult: int | None = None,
     generator: torch.Generator | None = None,
 ) -> np.ndarray:
     """``transformers.trainer_pt_utils.get_length_grouped_indices`` as an int64 numpy array.
 
-    The permutation is ``torch.randperm(len(lengths), generator=generator)``, as in transformers.
+    The permutation is ``torch.randperm(len(lengths), generator=generator)``, as in transformers, so the
+    generator advances identically.
     """
     if not (isinstance(lengths, np.ndarray) and lengths.dtype == np.int64 and lengths.flags.c_contiguous):
         lengths = as_length_array(lengths)
     batch_size = _positive_int(batch_size, "batch_size")
     if mega_batch_mult is not None:
         mega_batch_mult = min(_positive_int(mega_batch_mult, "mega_batch_mult"), _MAX_NATIVE_SIZE)
-    permutation = randperm(len(lengths), generator)
+    permutation = torch.randperm(len(lengths), generator=generator).cpu().numpy()
+    if len(lengths) == 0:
+        raise IndexError(
+            "a length-grouped sampler over an empty dataset has nothing to sample "
+            "(transformers' sampler raises this IndexError too, from torch.argmax)"
+        )
     return _native.length_grouped_indices(
         permutation, lengths, min(batch_size, _MAX_NATIVE_SIZE), mega_batch_mult
     )
@@ -153,7 +109,7 @@ class LengthGroupedSampler(Sampler):
 
     def __iter__(self) -> Iterator[int]:
         self.iterations_started += 1
-        return _python_ints(self.indices())
+        return iter(self.indices().tolist())
 
 
 class DistributedLengthGroupedSampler(DistributedSampler):
@@ -196,6 +152,7 @@ class DistributedLengthGroupedSampler(DistributedSampler):
         self.drop_last = bool(drop_last)
         self.seed = seed
         self.lengths = _resolve_lengths(dataset, lengths, model_input_name)
+        self.iterations_started = 0  # evidence for fasttrain's status that this sampler ran
 
         n = len(self.lengths)
         if self.drop_last and n % self.num_replicas != 0:
@@ -216,7 +173,17 @@ class DistributedLengthGroupedSampler(DistributedSampler):
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
         order = length_grouped_indices(self.lengths, self.batch_size, generator=generator)
-        return _native.distributed_rank_indices(order, self.num_replicas, self.rank, self.drop_last)
+        if self.drop_last:
+            order = order[: self.total_size]
+        else:  # pad by repeating the head, as transformers does (once: it asserts the result is long enough)
+            order = np.concatenate([order, order[: self.total_size - len(order)]])
+        if len(order) != self.total_size:
+            raise ValueError(
+                f"{len(self.lengths)} examples are too few to pad the order to {self.total_size} for "
+                f"{self.num_replicas} replicas (transformers' sampler fails an assertion here)"
+            )
+        return order[self.rank : self.total_size : self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
-        return _python_ints(self.indices())
+        self.iterations_started += 1
+        return iter(self.indices().tolist())

@@ -1,17 +1,34 @@
-"""``FusedAdamW``: torch's AdamW math and state layout, one Triton launch per parameter group, clipping fused in.
+"""``FusedAdamW``: torch's AdamW, one fused pass per parameter group, gradient clipping fused in, optional 8-bit state.
 
-Contract (docs/DESIGN.md "Public API"): same math and ``state_dict`` layout as ``torch.optim.AdamW``
-(``step``, ``exp_avg``, ``exp_avg_sq``; ``max_exp_avg_sq`` with amsgrad), so either optimizer loads the
-other's checkpoint. States are fp32 whatever the parameter dtype (torch keeps them in the parameter's
-dtype: loading casts in both directions).
+Contract (the public API): same math and ``state_dict`` layout as ``torch.optim.AdamW`` (``step``, ``exp_avg``,
+``exp_avg_sq``; ``max_exp_avg_sq`` with amsgrad), so either optimizer loads the other's checkpoint. What the
+moments are kept in is ``state_dtype``:
 
-Backends: ``"triton"`` runs the multi-tensor kernel of ``fasttrain.kernels.adamw`` (on CPU only
-through ``TRITON_INTERPRET=1``); ``"torch"`` runs ``torch._fused_adamw_`` (torch's own fused AdamW);
-``"auto"`` picks Triton for CUDA tensors and torch elsewhere (logged once).
+==================  =====================================================  ==============================
+``state_dtype``     moments                                                state bytes / parameter
+==================  =====================================================  ==============================
+``None`` (default)  in the parameter's dtype, as torch.optim.AdamW         2 x the parameter's (torch's)
+``torch.float32``   fp32 whatever the parameter's dtype                    8
+``"8bit"``          blockwise 8-bit (``fasttrain.optim.blockwise8``:       2 + 8/256 (fp32 below
+                    codes + fp32 absmax per 256 elements)                  ``min_8bit_size`` elements)
+==================  =====================================================  ==============================
 
-Nothing about the parameters is cached at construction: state is created lazily in ``step()`` and
-the launch tables are keyed on the tensors' addresses, because FSDP2 swaps parameters for DTensor
-shards after the optimizer exists and Accelerate round-trips ``state_dict`` when it prepares it.
+In every mode the arithmetic is fp32 (fp64 for fp64 parameters) and each stored value is rounded once, as in
+torch's fused kernel. ``bf16_stochastic_rounding=True`` rounds bf16 parameters stochastically instead of to
+nearest (``fasttrain.optim.rounding``: the random bits are a function of ``sr_seed``, the parameter's index and
+its step, so a resumed run rounds as the uninterrupted one), so that pure-bf16 training follows fp32 master
+weights in expectation. The 8-bit layout uses other state names than torch's (see ``_state``): such a
+checkpoint loads only into a FusedAdamW with the same ``state_dtype``; loading a state dict of another mode
+raises a ValueError naming the parameter group.
+
+Backends (``fasttrain._backend``): ``"triton"`` runs the multi-tensor kernels of ``fasttrain.kernels.adamw`` and
+``adamw8bit`` (on CPU only through ``TRITON_INTERPRET=1``); ``"torch"`` runs ``torch._fused_adamw_`` (torch's own
+fused AdamW; staged through fp32 copies where the layout is not its own, see ``_torch_step``); ``"auto"`` picks
+Triton for CUDA tensors and torch elsewhere (logged once).
+
+Nothing about the parameters is cached at construction: state is created lazily in ``step()`` and the launch
+tables are keyed on the tensors' addresses, because FSDP2 swaps parameters for DTensor shards after the
+optimizer exists and Accelerate round-trips ``state_dict`` when it prepares it.
 """
 
 from __future__ import annotations
@@ -24,13 +41,23 @@ from typing import Any
 
 import torch
 
+from .._backend import check_backend, resolve_backend
 from .._logging import log_once
+from . import _state, _torch_step, blockwise8
 from . import clip as _clip
 from ._tensors import group_by, local
 
-BACKENDS = ("auto", "triton", "torch")
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# our group keys: the constructor's values win over a loaded state dict's (state_dtype and min_8bit_size must agree)
+_OWN_KEYS = ("backend", "state_dtype", "min_8bit_size", "bf16_stochastic_rounding", "sr_seed")
+# torch.optim.AdamW(fused=True)'s group keys, in our groups too: torch's AdamW loading our state dict runs its
+# fused kernel (our math), not its foreach default
+_TORCH_KEYS = {
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": True,
+    "decoupled_weight_decay": True,
+}
 
 
 def _kernels():
@@ -40,11 +67,14 @@ def _kernels():
     return kernels
 
 
-def _state_dtype(param: torch.Tensor) -> torch.dtype:
-    return torch.float32 if param.dtype in (torch.float32, *_LOW_PRECISION) else param.dtype
+def _kernels8():
+    from fasttrain.kernels import adamw8bit
+
+    return adamw8bit
 
 
-def _check_hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str) -> None:
+def _check_hyperparameters(group: dict[str, Any], where: str) -> None:
+    lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
             raise ValueError(f"{where}: a tensor lr must have one element, got shape {tuple(lr.shape)}")
@@ -64,22 +94,34 @@ def _check_hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any, whe
             )
     if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
         raise ValueError(f"{where}: invalid weight_decay {weight_decay!r} (must be a number >= 0)")
+    check_backend(group["backend"], where)
+    group["state_dtype"] = _state.normalize_state_dtype(group["state_dtype"], where)
+    if not isinstance(group["min_8bit_size"], int) or group["min_8bit_size"] < 1:
+        raise ValueError(f"{where}: min_8bit_size must be a positive int, got {group['min_8bit_size']!r}")
+    if not isinstance(group["sr_seed"], int):
+        raise ValueError(f"{where}: sr_seed must be an int, got {group['sr_seed']!r}")
 
 
 class FusedAdamW(torch.optim.Optimizer):
-    """AdamW (``torch.optim.AdamW`` semantics) with a multi-tensor Triton step and fused gradient clipping.
+    """AdamW (``torch.optim.AdamW`` semantics) in one fused pass, with fused gradient clipping and a choice of state.
 
     Args:
-        params: parameters or parameter groups (groups may set their own lr, betas, eps, weight_decay).
+        params: parameters or parameter groups (groups may set their own lr, betas, eps, weight_decay, and
+            state_dtype, bf16_stochastic_rounding).
         lr: learning rate, a float or a one-element tensor (a scheduler changing it never recompiles).
         betas, eps, weight_decay, amsgrad, maximize: as in ``torch.optim.AdamW``.
         backend: ``"auto"`` (Triton on CUDA, torch's fused AdamW elsewhere), ``"triton"`` or ``"torch"``.
+        state_dtype: ``None`` (moments in the parameter's dtype: torch's memory), ``torch.float32``, or
+            ``"8bit"`` (blockwise-quantized moments: a quarter of fp32 states, half of bf16 states).
+        bf16_stochastic_rounding: round bf16 parameters stochastically (no effect on other dtypes).
+        min_8bit_size: with ``"8bit"``, parameters with fewer elements keep fp32 moments (bitsandbytes' default).
+        sr_seed: seed of the stochastic rounding (the bits also depend on the parameter's index and step).
         foreach, fused, capturable, differentiable: accepted for drop-in compatibility with
             ``torch.optim.AdamW``; ``foreach``/``fused`` are ignored (this optimizer is fused),
             ``capturable=True`` and ``differentiable=True`` are refused.
 
     ``defer_clip_grad_norm_(max_norm)`` computes the global gradient norm and arms the clip coefficient for
-    the next ``step()``, which applies it inside the kernel: gradients are not rewritten.
+    the next ``step()``, which applies it inside the kernel.
 
     With ``torch.amp.GradScaler`` the scaler hands its scale and inf flag to ``step()``
     (``_step_supports_amp_scaling``): gradients are unscaled in the kernel and a step with inf/NaN
@@ -99,28 +141,36 @@ class FusedAdamW(torch.optim.Optimizer):
         *,
         maximize: bool = False,
         backend: str = "auto",
+        state_dtype: torch.dtype | str | None = None,
+        bf16_stochastic_rounding: bool = False,
+        min_8bit_size: int = blockwise8.MIN_8BIT_SIZE,
+        sr_seed: int = 0,
         foreach: bool | None = None,
         fused: bool | None = None,
         capturable: bool = False,
         differentiable: bool = False,
     ) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"FusedAdamW: backend must be one of {BACKENDS}, got {backend!r}")
         if capturable:
             raise ValueError("FusedAdamW: capturable=True (CUDA graphs) is not supported")
         if differentiable:
             raise ValueError("FusedAdamW: differentiable=True is not supported")
         del foreach, fused  # always fused; accepted so that torch.optim.AdamW kwargs pass through
-        _check_hyperparameters(lr, betas, eps, weight_decay, "FusedAdamW")
         defaults = {
             "lr": lr,
-            "betas": tuple(betas),
+            "betas": tuple(betas) if isinstance(betas, (tuple, list)) else betas,
             "eps": eps,
             "weight_decay": weight_decay,
             "amsgrad": bool(amsgrad),
             "maximize": bool(maximize),
             "backend": backend,
+            "state_dtype": state_dtype,
+            "bf16_stochastic_rounding": bool(bf16_stochastic_rounding),
+            "min_8bit_size": min_8bit_size,
+            "sr_seed": sr_seed,
+            **_TORCH_KEYS,
         }
+        _check_hyperparameters(dict(defaults), "FusedAdamW")
+        defaults["state_dtype"] = _state.normalize_state_dtype(state_dtype, "FusedAdamW")
         super().__init__(params, defaults)
         self._clip_coef: torch.Tensor | None = None  # armed by defer_clip_grad_norm_, consumed by step
         self.deferred_clips_applied = 0  # steps that applied a clip armed with a finite max_norm
@@ -131,17 +181,12 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        where = f"FusedAdamW param group {len(self.param_groups) - 1}"
-        _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"], where)
-        if group["backend"] not in BACKENDS:
-            raise ValueError(f"{where}: backend must be one of {BACKENDS}, got {group['backend']!r}")
+        _check_hyperparameters(self.param_groups[-1], f"FusedAdamW param group {len(self.param_groups) - 1}")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        # groups loaded from a torch.optim.AdamW checkpoint lack our keys
-        for group in self.param_groups:
-            for key in ("amsgrad", "maximize", "backend"):
+        for group in self.param_groups:  # groups of a torch.optim.AdamW checkpoint lack our keys
+            for key in ("amsgrad", "maximize", *_OWN_KEYS):
                 group.setdefault(key, self.defaults[key])
         self.__dict__.setdefault("_clip_coef", None)
         self.__dict__.setdefault("_clip_finite", False)
@@ -149,15 +194,31 @@ class FusedAdamW(torch.optim.Optimizer):
         self.__dict__.setdefault("_tables", {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a FusedAdamW or ``torch.optim.AdamW`` state dict.
+        """Load a FusedAdamW or ``torch.optim.AdamW`` state dict saved with the same ``state_dtype``.
 
-        torch's loader casts every state to the parameter's dtype, which would round our fp32 moments
-        of bf16 parameters; they are restored from the given state dict in fp32 afterwards, and
-        ``step`` is moved next to its parameter as torch's fused AdamW keeps it.
+        A torch.optim.AdamW state dict loads into ``state_dtype=None`` or ``torch.float32`` (moments cast, as
+        torch's loader casts them); the moments of another FusedAdamW mode raise a ValueError. This optimizer's
+        own settings (backend, state_dtype, stochastic rounding) stay the constructor's; lr, betas, eps,
+        weight_decay, amsgrad and maximize come from the state dict, as in torch.
         """
-        saved_groups = state_dict["param_groups"]
+        saved_groups = [dict(g) for g in state_dict["param_groups"]]
         saved_state = state_dict["state"]
-        super().load_state_dict(state_dict)
+        for i, (saved, ours) in enumerate(zip(saved_groups, self.param_groups, strict=False)):
+            where = f"FusedAdamW param group {i}"
+            mode = ours["state_dtype"]
+            if "state_dtype" in saved and _state.normalize_state_dtype(saved["state_dtype"], where) != mode:
+                raise ValueError(
+                    f"{where}: the state dict was saved with state_dtype={saved['state_dtype']!r}, this optimizer "
+                    f"has state_dtype={mode!r}: construct FusedAdamW(..., state_dtype={saved['state_dtype']!r}) "
+                    "to resume it (a checkpoint's moments are not converted between modes)"
+                )
+            for key in _OWN_KEYS:
+                saved[key] = ours[key]
+            for param_id, param in zip(saved["params"], ours["params"], strict=False):
+                _state.check_saved(
+                    saved_state.get(param_id, {}), ours, param, f"{where}, parameter {param_id}"
+                )
+        super().load_state_dict({**state_dict, "param_groups": saved_groups})
         id_map = dict(
             zip(
                 chain.from_iterable(g["params"] for g in saved_groups),
@@ -165,70 +226,30 @@ class FusedAdamW(torch.optim.Optimizer):
                 strict=True,
             )
         )
+        groups = {id(p): g for g in self.param_groups for p in g["params"]}
         for param_id, param in id_map.items():
             saved = saved_state.get(param_id)
-            if not saved:
-                continue
-            state = self.state[param]
-            for key in _STATE_KEYS:
-                value = saved.get(key)
-                if isinstance(value, torch.Tensor):
-                    state[key] = value.to(dtype=_state_dtype(param), device=param.device, copy=True)
-            if "step" in saved:
-                state["step"] = self._step_tensor(param, float(saved["step"]))
+            if saved:
+                _state.restore(self.state[param], saved, param, _state.layout(groups[id(param)], param))
         self._tables.clear()
-
-    @staticmethod
-    def _step_tensor(param: torch.Tensor, value: float = 0.0) -> torch.Tensor:
-        # fp32 on the parameter's device, as torch's fused AdamW keeps it: the kernel reads it
-        return torch.tensor(value, dtype=torch.float32, device=local(param).device)
-
-    def _init_state(self, param: torch.Tensor, amsgrad: bool) -> dict[str, Any]:
-        state = self.state[param]
-        if len(state) == 0:
-            dtype = _state_dtype(param)
-            state["step"] = self._step_tensor(param)
-            state["exp_avg"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
-        if amsgrad and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = torch.zeros_like(
-                param, dtype=_state_dtype(param), memory_format=torch.preserve_format
-            )
-        step = state["step"]
-        if (
-            not isinstance(step, torch.Tensor)
-            or step.device != local(param).device
-            or step.dtype != torch.float32
-        ):
-            # a state set by hand or loaded without our load_state_dict
-            state["step"] = self._step_tensor(param, float(step))
-        return state
 
     # -- backend choice -----------------------------------------------------------------------------
 
     def _backend_for(self, group: dict[str, Any], device: torch.device) -> str:
-        backend = group["backend"]
-        if backend == "auto":
-            backend = "triton" if device.type == "cuda" else "torch"
-            if backend == "torch":
-                log_once(
-                    f"fused_adamw.auto.{device.type}",
-                    f"FusedAdamW: parameters on {device.type}: using torch's fused AdamW (the Triton kernel "
-                    "needs CUDA); gradient clipping is applied with torch ops",
-                    logging.INFO,
-                )
-        if backend == "triton" and device.type != "cuda" and not _kernels().interpreting():
-            raise RuntimeError(
-                f"FusedAdamW(backend='triton') got parameters on {device.type}: the Triton kernel runs on "
-                "CUDA, or on CPU only under TRITON_INTERPRET=1 (set before triton is imported); "
-                "use backend='auto' or 'torch'"
+        backend = resolve_backend(group["backend"], device, "FusedAdamW")
+        if group["backend"] == "auto" and backend == "torch":
+            log_once(
+                f"fused_adamw.auto.{device.type}",
+                f"FusedAdamW: parameters on {device.type}: using torch's fused AdamW (the Triton kernel "
+                "needs CUDA); gradient clipping is applied through its grad_scale",
+                logging.INFO,
             )
         return backend
 
     def _triton_ok(self, tensors: Iterable[torch.Tensor]) -> bool:
         kernels = _kernels()
         for t in tensors:
-            if not (t.is_contiguous() and kernels.supported_dtype(t.dtype)):
+            if not (t.is_contiguous() and (kernels.supported_dtype(t.dtype) or t.dtype == torch.uint8)):
                 log_once(
                     f"fused_adamw.triton_unsupported.{t.dtype}.{t.is_contiguous()}",
                     f"FusedAdamW: a tensor of dtype {t.dtype} (contiguous={t.is_contiguous()}) is not supported "
@@ -237,14 +258,14 @@ class FusedAdamW(torch.optim.Optimizer):
                 return False
         return True
 
-    def _table(self, kind: str, rows: list[list[torch.Tensor | None]], device: torch.device):
+    def _table(self, kind: str, rows: list[list[torch.Tensor | None]], device: torch.device, salts=None):
         key = (kind, device, tuple(0 if t is None else t.data_ptr() for row in rows for t in row))
-        key += (tuple(t.numel() for t in rows[0]),)
+        key += (tuple(t.numel() for t in rows[0]), None if salts is None else tuple(salts))
         table = self._tables.get(key)
         if table is None:
             if len(self._tables) > 64:  # addresses changed (new grads, a reload): drop stale tables
                 self._tables.clear()
-            table = _kernels().TensorTable(rows, device)
+            table = _kernels().TensorTable(rows, device, salts=salts)
             self._tables[key] = table
         return table
 
@@ -252,11 +273,10 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def _grads(self) -> list[torch.Tensor]:
         grads = []
-        for group in self.param_groups:
-            for p in group["params"]:
+        for i, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
                 if p.grad is not None:
-                    if p.grad.is_sparse:
-                        raise ValueError("FusedAdamW does not support sparse gradients")
+                    self._check_dense(p, i, j)
                     grads.append(p.grad)
         return grads
 
@@ -275,9 +295,9 @@ class FusedAdamW(torch.optim.Optimizer):
 
         Computes the norm in one multi-tensor pass (reduced over FSDP2/DTensor shards), and arms the
         coefficient ``min(1, max_norm / (norm + 1e-6))`` as a device scalar that the next ``step()``
-        applies inside the kernel: gradients are not rewritten and nothing waits for the device.
-        The torch backend applies it the same way, through the ``grad_scale`` argument of torch's fused
-        kernel (``grad / (1 / coef)``: equal to torch's ``grad * coef`` to one fp32 rounding), skipping
+        applies inside the kernel (the Triton kernel does not rewrite the gradients) and nothing waits for
+        the device. The torch backend applies it the same way, through the ``grad_scale`` argument of torch's
+        fused kernel (``grad / (1 / coef)``: equal to torch's ``grad * coef`` to one fp32 rounding), skipping
         it on CPU when the coefficient is exactly 1 (reading a CPU scalar costs nothing).
         A non-finite norm gives what torch's clip + AdamW gives (NaN parameters), unless a GradScaler
         skips the step. Returns a 0-d tensor on the gradients' device, in their dtype (as torch does).
@@ -292,11 +312,14 @@ class FusedAdamW(torch.optim.Optimizer):
         self._clip_finite = math.isfinite(float(max_norm))
         return total
 
-    def _uses_triton(self, group: dict[str, Any], p: torch.Tensor) -> bool:
-        g = local(p.grad)
-        if self._backend_for(group, g.device) != "triton":
-            return False
-        return self._triton_ok([local(p), g])
+    @staticmethod
+    def _check_dense(p: torch.Tensor, group_index: int, param_index: int) -> None:
+        if p.grad.is_sparse:
+            raise ValueError(
+                f"FusedAdamW param group {group_index}: parameter {param_index} has a sparse gradient, which "
+                "FusedAdamW (any state_dtype) does not support: use dense gradients (nn.Embedding(sparse=False)) "
+                "or torch.optim.SparseAdam for that parameter"
+            )
 
     # -- step --------------------------------------------------------------------------------------
 
@@ -312,26 +335,39 @@ class FusedAdamW(torch.optim.Optimizer):
         clip_coef, self._clip_coef = self._clip_coef, None
         if clip_coef is not None and self._clip_finite:
             self.deferred_clips_applied += 1
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
+        salt_base = 0
+        for gi, group in enumerate(self.param_groups):
+            where = f"FusedAdamW param group {gi}"
+            entries = []  # (param, salt, layout, uses triton)
+            for j, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                self._check_dense(p, gi, j)
+                lay = _state.init(self.state[p], group, p, where)
+                entries.append((p, salt_base + j, lay, self._uses_triton(group, p, lay)))
+            salt_base += len(group["params"])
+            if not entries:
                 continue
-            for p in params:
-                if p.grad.is_sparse:
-                    raise ValueError("FusedAdamW does not support sparse gradients")
-                self._init_state(p, group["amsgrad"])
-            triton_params = [p for p in params if self._uses_triton(group, p)]
-            torch_params = [p for p in params if not self._uses_triton(group, p)] if triton_params else params
-            buckets = group_by(
-                triton_params, lambda p: (local(p).device, local(p).dtype, local(p.grad).dtype)
-            )
-            for (device, p_dtype, g_dtype), bucket in buckets.items():
-                self._triton_step(group, bucket, device, p_dtype, g_dtype, clip_coef, grad_scale, found_inf)
-            for (device, _dtype), bucket in group_by(
-                torch_params, lambda p: (local(p).device, local(p).dtype)
+            scalars = (clip_coef, grad_scale, found_inf)
+            for (device, p_dtype, g_dtype, lay), bucket in group_by(
+                [e for e in entries if e[3]],
+                lambda e: (local(e[0]).device, local(e[0]).dtype, local(e[0].grad).dtype, e[2]),
             ).items():
-                self._torch_step(group, bucket, device, clip_coef, grad_scale, found_inf)
+                self._triton_step(group, bucket, device, p_dtype, g_dtype, lay, *scalars)
+            for (device, _dtype, lay), bucket in group_by(
+                [e for e in entries if not e[3]], lambda e: (local(e[0]).device, local(e[0]).dtype, e[2])
+            ).items():
+                self._torch_step(group, bucket, device, lay, *scalars)
         return loss
+
+    def _uses_triton(self, group: dict[str, Any], p: torch.Tensor, lay: Any) -> bool:
+        g = local(p.grad)
+        if self._backend_for(group, g.device) != "triton":
+            return False
+        state = self.state[p]
+        return self._triton_ok(
+            [local(p), g, *(local(state[n]) for n in _state.moments(state, lay, group["amsgrad"]))]
+        )
 
     @staticmethod
     def _device_scalar(value: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -348,30 +384,33 @@ class FusedAdamW(torch.optim.Optimizer):
             self._tables[key] = t
         return t
 
-    def _triton_step(self, group, params, device, p_dtype, g_dtype, clip_coef, grad_scale, found_inf) -> None:
+    @staticmethod
+    def _sr_seed(group: dict[str, Any], p_dtype: torch.dtype) -> int | None:
+        return group["sr_seed"] if group["bf16_stochastic_rounding"] and p_dtype == torch.bfloat16 else None
+
+    def _triton_step(
+        self, group, entries, device, p_dtype, g_dtype, lay, clip_coef, grad_scale, found_inf
+    ) -> None:
         amsgrad = group["amsgrad"]
+        params = [e[0] for e in entries]
         states = [self.state[p] for p in params]
         steps = [s["step"] for s in states]
-        rows = [
-            [local(p) for p in params],
-            [local(p.grad) for p in params],
-            [local(s["exp_avg"]) for s in states],
-            [local(s["exp_avg_sq"]) for s in states],
-            [local(s["max_exp_avg_sq"]) if amsgrad else None for s in states],
-            steps,
-        ]
-        table = self._table("adamw", rows, device)
+        moments = _state.moments(states[0], lay, amsgrad)
+        if lay == "8bit":
+            names = ["exp_avg_codes", "exp_avg_sq_codes", "max_exp_avg_sq_codes"]
+            names += ["exp_avg_absmax", "exp_avg_sq_absmax", "max_exp_avg_sq_absmax"]
+        else:
+            names = ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+        rows = [[local(p) for p in params], [local(p.grad) for p in params]]
+        rows += [[local(s[n]) if n in moments else None for s in states] for n in names]
+        rows.append(steps)
+        table = self._table(
+            "adamw8" if lay == "8bit" else "adamw", rows, device, salts=[e[1] for e in entries]
+        )
         found_inf = self._device_scalar(found_inf, device)
-        # as torch's fused AdamW: count the step first, take it back if the scaler found an inf
-        torch._foreach_add_(steps, 1.0)
         lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            lr = self._device_scalar(lr, device)
-        _kernels().adamw_step(
-            table,
-            p_dtype,
-            g_dtype,
-            lr=lr,
+        args = _kernels().StepArgs(
+            lr=self._device_scalar(lr, device) if isinstance(lr, torch.Tensor) else lr,
             betas=self._betas_tensor(group["betas"], device),
             eps=group["eps"],
             weight_decay=group["weight_decay"],
@@ -380,7 +419,14 @@ class FusedAdamW(torch.optim.Optimizer):
             found_inf=found_inf,
             amsgrad=amsgrad,
             maximize=group["maximize"],
+            sr_seed=self._sr_seed(group, p_dtype),
         )
+        # as torch's fused AdamW: count the step first, take it back if the scaler found an inf
+        torch._foreach_add_(steps, 1.0)
+        if lay == "8bit":
+            _kernels8().adamw8bit_step(table, p_dtype, g_dtype, blockwise8.tables(device), args)
+        else:
+            _kernels().adamw_step(table, p_dtype, g_dtype, lay, args)
         if found_inf is not None:
             torch._foreach_sub_(steps, [found_inf] * len(steps))
 
@@ -394,45 +440,33 @@ class FusedAdamW(torch.optim.Optimizer):
         inv = torch.reciprocal(coef)
         return inv if scale is None else scale * inv
 
-    def _torch_step(self, group, params, device, clip_coef, grad_scale, found_inf) -> None:
-        amsgrad = group["amsgrad"]
+    def _torch_step(self, group, entries, device, lay, clip_coef, grad_scale, found_inf) -> None:
+        params = [e[0] for e in entries]
         states = [self.state[p] for p in params]
-        ps = [local(p) for p in params]
-        gs = [local(p.grad) for p in params]
         steps = [s["step"] for s in states]
-        low_precision = ps[0].dtype in _LOW_PRECISION
-        if low_precision:
-            # torch's fused kernel wants one dtype for all lists: run it on fp32 copies, write back rounded
-            ps_math = [p.float() for p in ps]
-            gs = [g.float() for g in gs]
-        else:
-            ps_math = ps
-            gs = [g if g.dtype == ps[0].dtype else g.to(ps[0].dtype) for g in gs]
         lr = group["lr"]
         if isinstance(lr, torch.Tensor):
             lr = lr.to(device=device, dtype=torch.float32).reshape(())
         found_inf = self._device_scalar(found_inf, device)
         torch._foreach_add_(steps, 1.0)
         beta1, beta2 = group["betas"]
-        torch._fused_adamw_(
-            ps_math,
-            gs,
-            [local(s["exp_avg"]) for s in states],
-            [local(s["exp_avg_sq"]) for s in states],
-            [local(s["max_exp_avg_sq"]) for s in states] if amsgrad else [],
-            steps,
+        _torch_step.step(
+            [local(p) for p in params],
+            [local(p.grad) for p in params],
+            [{k: local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()} for s in states],
+            lay,
+            amsgrad=group["amsgrad"],
+            sr_seed=self._sr_seed(group, local(params[0]).dtype),
+            salts=[e[1] for e in entries],
+            found_inf=found_inf,
             lr=lr,
             beta1=beta1,
             beta2=beta2,
             weight_decay=group["weight_decay"],
             eps=group["eps"],
-            amsgrad=amsgrad,
             maximize=group["maximize"],
             grad_scale=self._torch_grad_scale(clip_coef, grad_scale, device),
-            found_inf=found_inf,
         )
-        if low_precision:
-            torch._foreach_copy_(ps, ps_math)
         if found_inf is not None:
             torch._foreach_sub_(steps, [found_inf] * len(steps))
 

@@ -1,0 +1,354 @@
+"""CPU benchmark: FusedAdamW's state modes against torch's fused AdamW and the 8-bit AdamWs of bitsandbytes and torchao.
+
+One run, every optimizer on the same model, data and schedule:
+
+- memory: the optimizer state's bytes per parameter, measured from the state tensors after training (tensors
+  shared between parameters counted once), as a ratio to torch's fused AdamW on the same parameters and to fp32
+  moments (8 bytes);
+- bytes a step moves per parameter: each stored tensor read and written once, the gradient read once
+  (2 x param + grad + 2 x state): what a fused step must move for that layout, from the measured state sizes
+  (a property of the layout, not a traffic counter; clipping adds a norm pass, and torch's clip_grad_norm_ a
+  scaling pass that reads and writes the gradient again);
+- convergence: a small causal LM (Llama architecture from transformers, random init, ~0.4M parameters) trained
+  ``--steps`` steps on the standard library's source (fasttrain's offline bench corpus, its BPE tokenizer at a
+  1,024 vocabulary), warm-up + cosine lr, clipping at 1.0; the final loss (mean of the last 25 steps) and a
+  held-out loss, with each run's ratio to its reference (bf16 parameters: FusedAdamW with fp32 moments; fp32
+  parameters: torch's fused AdamW), and the loss curves (plot).
+
+bitsandbytes and torchao are not dependencies of fasttrain: they are used where they import (``pip install
+bitsandbytes torchao``), and the results say when they did not.
+
+    python benchmarks/bench_adamw_modes.py [--steps 200] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+from fasttrain import FusedAdamW
+from fasttrain.bench import corpus, tokenizer
+from fasttrain.bench.report import cpu_model
+
+SEQ_LEN, BATCH, EVAL_BATCHES, VOCAB = 128, 8, 4, 1024
+PEAK_LR, WARMUP, MAX_NORM, WEIGHT_DECAY = 3e-3, 20, 1.0, 0.01
+
+
+def model_config():
+    from transformers import LlamaConfig
+
+    # every matrix has >= 4,096 elements (k/v projections 48 x 96): all of them are quantized by the 8-bit modes
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ_LEN, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def token_batches(n_batches: int) -> torch.Tensor:
+    """int64 [n_batches, BATCH, SEQ_LEN]: the corpus' documents tokenized, joined by EOS, cut in sequences."""
+    from tokenizers import Tokenizer
+
+    path, _cached = tokenizer.load_or_train(vocab_size=VOCAB, train_bytes=1_000_000)
+    tok = Tokenizer.from_file(str(path))
+    eos = tok.token_to_id(tokenizer.EOS_TOKEN)
+    need = n_batches * BATCH * SEQ_LEN
+    ids: list[int] = []
+    for document in corpus.iter_documents():
+        ids += [*tok.encode(document).ids, eos]
+        if len(ids) >= need:
+            break
+    return torch.tensor(ids[:need]).view(n_batches, BATCH, SEQ_LEN)
+
+
+def lr_at(step: int, steps: int) -> float:
+    if step < WARMUP:
+        return PEAK_LR * (step + 1) / WARMUP
+    progress = (step - WARMUP) / max(1, steps - WARMUP)
+    return PEAK_LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def optimizers():
+    """label -> (param dtype, factory(params) -> optimizer, fused clip?)."""
+    ours = lambda **kw: lambda ps: FusedAdamW(ps, lr=PEAK_LR, weight_decay=WEIGHT_DECAY, **kw)  # noqa: E731
+    torch_fused = lambda ps: torch.optim.AdamW(ps, lr=PEAK_LR, weight_decay=WEIGHT_DECAY, fused=True)  # noqa: E731
+    runs = {}
+    for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        runs[f"{tag} | torch AdamW(fused=True)"] = (dtype, torch_fused, False)
+        if dtype == torch.bfloat16:
+            runs[f"{tag} | FusedAdamW (default: param-dtype states)"] = (dtype, ours(), True)
+            runs[f"{tag} | FusedAdamW state_dtype=float32"] = (dtype, ours(state_dtype=torch.float32), True)
+            runs[f"{tag} | FusedAdamW default + stochastic rounding"] = (
+                dtype, ours(bf16_stochastic_rounding=True), True,
+            )  # fmt: skip
+        runs[f"{tag} | FusedAdamW state_dtype='8bit'"] = (dtype, ours(state_dtype="8bit"), True)
+        if dtype == torch.bfloat16:
+            runs[f"{tag} | FusedAdamW '8bit' + stochastic rounding"] = (
+                dtype, ours(state_dtype="8bit", bf16_stochastic_rounding=True), True,
+            )  # fmt: skip
+        runs[f"{tag} | bitsandbytes AdamW8bit"] = (dtype, _bnb, False)
+        runs[f"{tag} | torchao AdamW8bit"] = (dtype, _torchao, False)
+    return runs
+
+
+def _bnb(ps):
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(ps, lr=PEAK_LR, weight_decay=WEIGHT_DECAY)
+
+
+def _torchao(ps):
+    from torchao.optim import AdamW8bit
+
+    return AdamW8bit(ps, lr=PEAK_LR, weight_decay=WEIGHT_DECAY)
+
+
+def _tensors(value):
+    """The plain tensors holding a state value (a tensor subclass such as torchao's is unpacked)."""
+    if not isinstance(value, torch.Tensor):
+        return []
+    if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+        names, _ctx = value.__tensor_flatten__()
+        return [t for name in names for t in _tensors(getattr(value, name))]
+    return [value]
+
+
+def state_bytes(opt) -> int:
+    """Bytes of the optimizer state but the step counters; a tensor shared by several parameters counts once."""
+    seen = {}
+    for state in opt.state.values():
+        for key, value in state.items():
+            if key == "step":
+                continue
+            for t in _tensors(value):
+                seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def train(label, dtype, factory, fused_clip, data, steps):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(model_config()).to(dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = factory(params)
+    losses = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        for group in opt.param_groups:
+            if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr as a tensor and refuses a float
+                group["lr"].fill_(lr_at(step, steps))
+            else:
+                group["lr"] = lr_at(step, steps)
+        batch = data[step]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        if fused_clip:
+            opt.defer_clip_grad_norm_(MAX_NORM)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        if not math.isfinite(losses[-1]):
+            break
+    train_s = time.perf_counter() - t0
+    with torch.no_grad():
+        held_out = [float(model(input_ids=b, labels=b).loss) for b in data[steps : steps + EVAL_BATCHES]]
+    n = sum(p.numel() for p in params)
+    sb = state_bytes(opt)
+    p_bytes = params[0].element_size()
+    return {
+        "label": label,
+        "param_dtype": str(dtype).replace("torch.", ""),
+        "n_params": n,
+        "losses": losses,
+        "final_loss": statistics.fmean(losses[-25:]),
+        "held_out_loss": statistics.fmean(held_out),
+        "state_bytes": sb,
+        "state_bytes_per_param": sb / n,
+        "bytes_moved_per_param": 2 * p_bytes + p_bytes + 2 * sb / n,
+        "optimizer": type(opt).__module__ + "." + type(opt).__name__,
+        "train_s": train_s,
+    }
+
+
+def reference_of(label: str) -> str:
+    tag = label.split(" | ")[0]
+    return f"{tag} | FusedAdamW state_dtype=float32" if tag == "bf16" else f"{tag} | torch AdamW(fused=True)"
+
+
+def plot(path: Path, results: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    for ax, tag in zip(axes, ("bf16", "fp32"), strict=True):
+        for r in results:
+            if not r["label"].startswith(tag):
+                continue
+            window = 10
+            x = r["losses"]
+            smooth = [statistics.fmean(x[max(0, i - window + 1) : i + 1]) for i in range(len(x))]
+            ax.plot(smooth, label=r["label"].split(" | ")[1], linewidth=1.2)
+        ax.set_title(f"{tag} parameters: training loss (mean of 10 steps)")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("loss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steady on a shared machine)")
+    ap.add_argument("--only", default="", help="comma-separated substrings: run only matching labels")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    t_start = time.perf_counter()
+    data = token_batches(args.steps + EVAL_BATCHES)
+    results, unavailable = [], {}
+    for label, (dtype, factory, fused_clip) in optimizers().items():
+        if args.only and not any(s in label for s in args.only.split(",")):
+            continue
+        try:
+            r = train(label, dtype, factory, fused_clip, data, args.steps)
+        except ImportError as err:
+            unavailable[label] = f"not installed here: {err}"
+            continue
+        except Exception as err:  # a peer that installs but fails on CPU: say how
+            unavailable[label] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            traceback.print_exc()
+            continue
+        results.append(r)
+        print(f"{label}: final {r['final_loss']:.4f}, held-out {r['held_out_loss']:.4f}, "
+              f"{r['state_bytes_per_param']:.3f} B/param state, {r['train_s']:.0f} s", flush=True)  # fmt: skip
+    by_label = {r["label"]: r for r in results}
+    torch_ref = {r["param_dtype"]: r for r in results if "torch AdamW" in r["label"]}
+    for r in results:
+        ref = by_label.get(reference_of(r["label"]))
+        r["final_loss_vs_reference"] = r["final_loss"] / ref["final_loss"] if ref else None
+        r["held_out_vs_reference"] = r["held_out_loss"] / ref["held_out_loss"] if ref else None
+        t = torch_ref.get(r["param_dtype"])
+        r["state_vs_torch"] = r["state_bytes"] / t["state_bytes"] if t else None
+        r["state_vs_fp32_states"] = r["state_bytes_per_param"] / 8.0
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "bitsandbytes", "torchao"):
+        try:
+            versions[name] = __import__(name).__version__
+        except Exception:  # recorded as absent, whatever the reason
+            versions[name] = None
+    info = {
+        "benchmark": "adamw_modes",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "machine": {
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "torch_threads": args.threads,
+            "loadavg": os.getloadavg(),
+        },
+        "versions": versions,
+        "setup": {
+            "steps": args.steps,
+            "seq_len": SEQ_LEN,
+            "batch": BATCH,
+            "vocab": VOCAB,
+            "peak_lr": PEAK_LR,
+            "warmup": WARMUP,
+            "max_norm": MAX_NORM,
+            "weight_decay": WEIGHT_DECAY,
+            "model": model_config().to_dict(),
+        },
+        "unavailable": unavailable,
+        "results": results,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adamw_modes.json").write_text(json.dumps(info, indent=1) + "\n")
+    if results:
+        plot(out / "adamw_modes.png", results)
+    (out / "adamw_modes.md").write_text(markdown(info))
+    print(markdown(info))
+
+
+def _x(value, digits=2):
+    return "-" if value is None else f"{value:.{digits}f}x"
+
+
+def markdown(info: dict) -> str:
+    results = info["results"]
+    n = results[0]["n_params"] if results else 0
+    lines = [
+        "# FusedAdamW state modes: memory and convergence (CPU)",
+        "",
+        f"- date: {info['date']}; machine: {info['machine']['cpu']}, {info['machine']['cores']} cores "
+        f"({info['machine']['torch_threads']} torch thread), load average {info['machine']['loadavg'][0]:.1f} "
+        "(shared machine)",
+        f"- versions: {info['versions']}",
+        f"- command: `{info['command']}`",
+        f"- model: Llama architecture, {n:,} parameters (hidden 96, 2 layers, vocab {VOCAB}, untied), random "
+        f"init; {info['setup']['steps']} steps of {BATCH} x {SEQ_LEN} tokens of the stdlib corpus; lr {PEAK_LR} "
+        f"(warm-up {WARMUP}, cosine to 10%), weight decay {WEIGHT_DECAY}, clip {MAX_NORM}; the same data, "
+        "init and schedule for every run",
+        f"- wall time {info['wall_s'] / 60:.1f} min",
+        "",
+        "## Memory: optimizer state and bytes a step moves, per parameter",
+        "",
+        "State: measured from the state tensors after training (step counters excluded). Moved: 2 x param + grad "
+        "+ 2 x state bytes (each stored tensor read and written once, the gradient read once).",
+        "",
+        "| params | optimizer | state B/param | vs torch fused | vs fp32 states | moved B/param/step |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        tag, name = r["label"].split(" | ")
+        lines.append(
+            f"| {tag} | {name} | {r['state_bytes_per_param']:.3f} | {_x(r['state_vs_torch'])} | "
+            f"{_x(r['state_vs_fp32_states'])} | {r['bytes_moved_per_param']:.2f} |"
+        )
+    lines += [
+        "",
+        "## Convergence",
+        "",
+        "Final loss: mean training loss of the last 25 steps; held-out: mean loss on "
+        f"{EVAL_BATCHES} unseen batches. Ratios to the reference of the same parameter dtype (bf16: FusedAdamW "
+        "with fp32 moments; fp32: torch's fused AdamW).",
+        "",
+        "| params | optimizer | final loss | vs reference | held-out loss | vs reference | train s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        tag, name = r["label"].split(" | ")
+        lines.append(
+            f"| {tag} | {name} | {r['final_loss']:.4f} | {_x(r['final_loss_vs_reference'], 3)} | "
+            f"{r['held_out_loss']:.4f} | {_x(r['held_out_vs_reference'], 3)} | {r['train_s']:.0f} |"
+        )
+    if info["unavailable"]:
+        lines += ["", "Not run:", ""] + [f"- {k}: {v}" for k, v in info["unavailable"].items()]
+    lines += ["", "Loss curves: `adamw_modes.png`.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

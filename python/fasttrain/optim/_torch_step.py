@@ -1,0 +1,111 @@
+"""FusedAdamW's torch backend: torch's own fused AdamW kernel (``torch._fused_adamw_``) for every layout.
+
+When the moments are in the parameter's dtype, the gradients too, and no stochastic rounding is asked for, the
+lists go to torch's kernel as they are: exactly ``torch.optim.AdamW(fused=True)``. Otherwise each batch of tensors
+is staged: parameters, gradients and moments (dequantized for 8-bit states) are copied into fp32 working tensors
+(fp64 for fp64 parameters), torch's kernel steps those, and the results are written back once, rounded to their
+storage (nearest, stochastic for bf16 parameters when asked, or requantized). The staging costs memory for one
+batch (STAGE_ELEMENTS elements per role) and extra passes: it is the fallback where the Triton kernel, which does
+all of this in one pass, does not run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from . import _state, blockwise8, rounding
+
+STAGE_ELEMENTS = 1 << 24  # elements per staged batch: 64 MB per fp32 role
+
+
+def _batches(items: list[Any], numel) -> Iterator[list[Any]]:
+    batch: list[Any] = []
+    size = 0
+    for item in items:
+        if batch and size + numel(item) > STAGE_ELEMENTS:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += numel(item)
+    if batch:
+        yield batch
+
+
+def step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[dict[str, Any]],
+    lay: Any,
+    *,
+    amsgrad: bool,
+    sr_seed: int | None,
+    salts: list[int],
+    found_inf: torch.Tensor | None,
+    **hyper: Any,
+) -> None:
+    """One step (steps already incremented) of local tensors of one device and parameter dtype, one layout.
+
+    ``hyper``: lr, beta1, beta2, weight_decay, eps, maximize, grad_scale (as ``torch._fused_adamw_`` takes them).
+    """
+    names = _state.moments(states[0], lay, amsgrad)
+    steps = [s["step"] for s in states]
+    native = lay == params[0].dtype and sr_seed is None and all(g.dtype == params[0].dtype for g in grads)
+    if native:
+        moment_lists = [[s[n] for s in states] for n in names]
+        if not amsgrad:
+            moment_lists.append([])
+        torch._fused_adamw_(
+            params, grads, *moment_lists, steps, amsgrad=amsgrad, found_inf=found_inf, **hyper
+        )
+        return
+    work = torch.promote_types(params[0].dtype, torch.float32)
+    for batch in _batches(list(range(len(params))), lambda i: params[i].numel()):
+        _staged(
+            [params[i] for i in batch], [grads[i] for i in batch], [states[i] for i in batch], lay, work,
+            amsgrad=amsgrad, sr_seed=sr_seed, salts=[salts[i] for i in batch], found_inf=found_inf, **hyper,
+        )  # fmt: skip
+
+
+def _staged(params, grads, states, lay, work, *, amsgrad, sr_seed, salts, found_inf, **hyper) -> None:
+    ps = [p if p.dtype == work else p.to(work) for p in params]
+    gs = [g if g.dtype == work else g.to(work) for g in grads]
+    names = _state.MOMENTS if amsgrad else _state.MOMENTS[:2]
+    if lay == "8bit":
+        ms = [
+            [blockwise8.dequantize(s[f"{n}_codes"], s[f"{n}_absmax"], _state.SIGNED[n], work) for s in states]
+            for n in names
+        ]
+    else:
+        ms = [[s[n] if s[n].dtype == work else s[n].to(work) for s in states] for n in names]
+    if not amsgrad:
+        ms.append([])
+    steps = [s["step"] for s in states]
+    torch._fused_adamw_(ps, gs, *ms, steps, amsgrad=amsgrad, found_inf=found_inf, **hyper)
+
+    # write back; a step skipped for found_inf left the working copies as loaded: every rounding below gives
+    # back the stored value, except requantization (not idempotent), which is skipped
+    for p, p_work, salt, s in zip(params, ps, salts, states, strict=True):
+        if p_work is p:
+            continue
+        if sr_seed is not None and p.dtype == torch.bfloat16:
+            rounding.stochastic_round_to_bf16_(p, p_work, rounding.sr_key(sr_seed, salt, s["step"]))
+        else:
+            p.copy_(p_work)
+    for n, values in zip(names, ms, strict=False):
+        for s, x in zip(states, values, strict=True):
+            if lay != "8bit":
+                if s[n] is not x:
+                    s[n].copy_(x)
+                continue
+            codes, absmax = s[f"{n}_codes"], s[f"{n}_absmax"]
+            new_codes, new_absmax = torch.empty_like(codes), torch.empty_like(absmax)
+            blockwise8.quantize_(x, new_codes, new_absmax, _state.SIGNED[n])
+            if found_inf is not None:
+                skip = found_inf.to(codes.device) != 0
+                new_codes = torch.where(skip, codes, new_codes)
+                new_absmax = torch.where(skip, absmax, new_absmax)
+            codes.copy_(new_codes)
+            absmax.copy_(new_absmax)

@@ -1,0 +1,109 @@
+"""The 8-bit optimizer state: blockwise dynamic quantization (the format of bitsandbytes' and torchao's 8-bit Adam).
+
+A moment tensor of ``n`` elements is stored as
+
+- ``codes``: uint8, the parameter's shape: element ``i`` is ``QMAP[codes[i]] * absmax[i // BLOCK]``;
+- ``absmax``: fp32 ``[ceil(n / BLOCK)]``: the largest ``|x|`` of each block of ``BLOCK = 256`` consecutive elements
+  (row-major order; the last block may be partial). A block of zeros has ``absmax = 0``.
+
+``QMAP`` is the 256-entry "dynamic" map of Dettmers et al. (8-bit Optimizers via Block-wise Quantization, 2021),
+the one bitsandbytes and torchao use: a sign bit (signed map, for ``exp_avg``), a decimal exponent told by the
+count of leading zero bits, then linear fraction bits; it reaches down to ~1e-7 of the block's absmax with 1-6
+significant bits. The unsigned map (for ``exp_avg_sq`` and ``max_exp_avg_sq``) spends the sign bit on one more
+fraction bit. Both contain 0 and 1.0 exactly: zeros and a block's largest element survive a round trip.
+
+Quantizing ``x`` takes the nearest entry of the map to ``x / absmax`` (computed as ``x * (1 / absmax)``), found
+as the number of midpoints between consecutive entries that are ``<= x / absmax``: ``torch.bucketize`` here,
+an 8-step branchless binary search over the same midpoint table in the Triton kernel, so both backends pick
+the same code for the same fp32 input.
+
+Tensors smaller than ``MIN_8BIT_SIZE = 4096`` elements (norm weights, biases) keep fp32 moments, as
+bitsandbytes (``min_8bit_size=4096``) and torchao do: they are a negligible share of the memory, and the
+precision of a norm's scale matters more than its bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK = 256
+MIN_8BIT_SIZE = 4096
+
+
+def _dynamic_map(signed: bool) -> list[float]:
+    """The 256 entries of the dynamic map, ascending (bitsandbytes' ``create_dynamic_map(signed, 7, 8)``)."""
+    values: list[float] = []
+    for exponent in range(7):  # magnitudes 1e-6 .. 1, one decade per count of leading zeros
+        n_fraction = 2**exponent + 1 if signed else 2 ** (exponent + 1) + 1
+        bounds = torch.linspace(0.1, 1, n_fraction, dtype=torch.float32)
+        means = ((bounds[:-1] + bounds[1:]) / 2.0) * 10.0 ** (exponent - 6)
+        values += means.tolist()
+        if signed:
+            values += (-means).tolist()
+    values += [0.0, 1.0]
+    assert len(values) == 256
+    return sorted(values)
+
+
+@functools.cache
+def tables(device: torch.device) -> torch.Tensor:
+    """fp32 ``[4, 256]`` on ``device``: signed map, its midpoints, unsigned map, its midpoints.
+
+    Midpoint ``j`` lies between entries ``j`` and ``j + 1``; the 256th is ``+inf`` (the search table is a power of
+    two long, and no value is above it).
+    """
+    rows = []
+    for signed in (True, False):
+        qmap = torch.tensor(_dynamic_map(signed), dtype=torch.float32)
+        mids = torch.cat([(qmap[:-1] + qmap[1:]) / 2, torch.tensor([float("inf")])])
+        rows += [qmap, mids]
+    return torch.stack(rows).to(device)
+
+
+SIGNED, UNSIGNED = 0, 2  # row of a map in tables(); its midpoints are the next row
+
+
+def zero_code(signed: bool) -> int:
+    """The code of 0.0 (what a fresh state holds, with absmax 0)."""
+    return 127 if signed else 0
+
+
+def n_blocks(numel: int) -> int:
+    return -(-numel // BLOCK)
+
+
+def empty_state(param: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, absmax) of an all-zero moment for ``param``."""
+    codes = torch.full(param.shape, zero_code(signed), dtype=torch.uint8, device=param.device)
+    absmax = torch.zeros(n_blocks(param.numel()), dtype=torch.float32, device=param.device)
+    return codes, absmax
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` flattened and zero-padded to whole blocks: ``[n_blocks, BLOCK]``."""
+    flat = x.reshape(-1)
+    pad = (-flat.numel()) % BLOCK
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(-1, BLOCK)
+
+
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool, dtype=torch.float32) -> torch.Tensor:
+    """The moment as a ``dtype`` tensor of ``codes``' shape."""
+    qmap = tables(codes.device)[SIGNED if signed else UNSIGNED]
+    values = qmap[_blocks(codes).long()] * absmax[:, None]
+    return values.reshape(-1)[: codes.numel()].view(codes.shape).to(dtype)
+
+
+def quantize_(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> None:
+    """Write the codes and block absmax of ``x`` (any float dtype, ``codes``' shape) into ``codes`` and ``absmax``."""
+    t = tables(x.device)
+    mids = t[(SIGNED if signed else UNSIGNED) + 1, :-1]
+    blocks = _blocks(x.float())
+    amax = blocks.abs().amax(dim=1)
+    inv = torch.where(amax > 0, 1.0 / amax, 0.0)
+    new_codes = torch.bucketize(blocks * inv[:, None], mids, out_int32=True, right=True)
+    codes.view(-1).copy_(new_codes.reshape(-1)[: codes.numel()])
+    absmax.copy_(amax)
