@@ -10,12 +10,20 @@ reference and fasttrain alternating, medians over rounds:
   4 x 1,024 tokens with labels. Reference: the unpatched transformers model; ours: the same model
   after ``fasttrain.loss.model_patch.enable_fused_loss``.
 
+- ``trl_sft`` / ``trl_dpo``: TRL's fused LM-head contract (``model(..., fused_lm_head=True)``), loss +
+  backward at 2,048 tokens x hidden 512 x vocab 151,936 (fp32), three ways: ``plain`` (materialised logits,
+  ``log_softmax``), ``trl`` (TRL's ``ChunkedLogProbFunction``, its chunked torch path on CPU) and
+  ``fasttrain`` (``fused_token_log_probs``, as ``trl_support`` calls it). ``trl_sft``: the outputs SFTTrainer
+  asks for (log-probs, entropy, top-1) and its loss ``-sum(log_probs) / n``; ``trl_dpo``: DPOTrainer's
+  (plus mean logits) and the sigmoid DPO loss over 8 sequences (a per-sequence upstream gradient).
+
 Memory: peak RSS of the child (``ru_maxrss``) minus its RSS after imports, i.e. inputs, parameters and
 everything the step allocates. Time: median wall time of the timed steps inside a child (after one
 warm-up step), then the median over rounds.
 
     python benchmarks/bench_loss.py                 # writes benchmarks/results/loss_cpu.{json,md}
     python benchmarks/bench_loss.py --rounds 1 --tokens 256   # quick look
+    python benchmarks/bench_loss.py --cases trl_sft,trl_dpo --tokens 2048 --name loss_trl_cpu
 """
 
 from __future__ import annotations
@@ -34,6 +42,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 VOCAB = 151_936
+# implementations per case, the first being the reference the speed-ups are taken against
+IMPLS = {
+    "loss": ("reference", "fasttrain"),
+    "model": ("reference", "fasttrain"),
+    "trl_sft": ("plain", "trl", "fasttrain"),
+    "trl_dpo": ("plain", "trl", "fasttrain"),
+}
+TRL_OUTPUTS = {
+    "trl_sft": ("log_probs", "entropy", "is_top1"),
+    "trl_dpo": ("log_probs", "entropy", "mean_logits", "is_top1"),
+}
 
 
 def _rss_bytes() -> int:
@@ -46,7 +65,12 @@ def _child(case: str, impl: str, steps: int, tokens: int) -> None:
 
     torch.manual_seed(0)
     baseline = _rss_bytes()
-    step = _loss_step(impl, tokens) if case == "loss" else _model_step(impl, tokens)
+    if case == "loss":
+        step = _loss_step(impl, tokens)
+    elif case == "model":
+        step = _model_step(impl, tokens)
+    else:
+        step = _trl_step(case, impl, tokens)
     times = []
     for i in range(steps + 1):
         t0 = time.perf_counter()
@@ -114,6 +138,48 @@ def _model_step(impl: str, tokens: int):
     return step
 
 
+def _trl_step(case: str, impl: str, tokens: int):
+    import torch
+    import torch.nn.functional as F
+
+    from fasttrain.loss.token_logprobs import fused_token_log_probs
+
+    outputs = TRL_OUTPUTS[case]
+    hidden = torch.randn(tokens, 512, requires_grad=True)
+    weight = torch.randn(VOCAB, 512).mul_(0.02).requires_grad_()
+    labels = torch.randint(0, VOCAB, (tokens,))  # the scored tokens only (the fused head compacts them)
+    ref_logps = torch.randn(8) * 10 - 100 * tokens / 8
+
+    def per_token():
+        if impl == "plain":
+            log_p = F.log_softmax(hidden @ weight.t(), dim=-1)
+            with torch.no_grad():  # the metrics TRL logs
+                entropy = -(log_p.exp() * log_p).sum(-1)
+                is_top1 = log_p.argmax(-1) == labels
+            return log_p.gather(1, labels[:, None]).squeeze(1), entropy, is_top1
+        if impl == "trl":
+            from trl.kernels import ChunkedLogProbFunction
+
+            out = ChunkedLogProbFunction.apply(hidden, weight, None, labels, 1.0, 32768, None, 1.0, outputs)
+            return out[0], out[1], out[4]
+        out = fused_token_log_probs(hidden, weight, labels, outputs=outputs, uniform_grad=case == "trl_sft")
+        return out.log_probs, out.entropy, out.is_top1
+
+    def step() -> float:
+        hidden.grad = weight.grad = None
+        log_probs, entropy, _ = per_token()
+        if case == "trl_sft":
+            loss = -log_probs.sum() / tokens
+        else:  # sigmoid DPO over 8 sequences: 4 chosen, 4 rejected
+            ratios = log_probs.reshape(8, -1).sum(1) - ref_logps
+            chosen, rejected = ratios.chunk(2)
+            loss = -F.logsigmoid(0.1 * (chosen - rejected)).mean()
+        loss.backward()
+        return float(loss) + 0.0 * float(entropy.sum())
+
+    return step
+
+
 def _run_child(case: str, impl: str, steps: int, tokens: int) -> dict:
     cmd = [sys.executable, __file__, "--child", case, impl, "--steps", str(steps), "--tokens", str(tokens)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -150,6 +216,12 @@ def _versions() -> dict:
         "transformers": transformers.__version__,
     }
     out["fasttrain"] = fasttrain.__version__
+    try:
+        import trl
+
+        out["trl"] = trl.__version__
+    except ImportError:
+        pass
     return out
 
 
@@ -171,9 +243,10 @@ def main() -> None:
 
     results = {}
     for case in args.cases.split(","):
-        runs: dict[str, list[dict]] = {"reference": [], "fasttrain": []}
+        impls = IMPLS[case]
+        runs: dict[str, list[dict]] = {impl: [] for impl in impls}
         for r in range(args.rounds):
-            order = ("reference", "fasttrain") if r % 2 == 0 else ("fasttrain", "reference")
+            order = impls if r % 2 == 0 else impls[::-1]
             for impl in order:
                 res = _run_child(case, impl, args.steps, args.tokens)
                 runs[impl].append(res)
@@ -186,8 +259,11 @@ def main() -> None:
                 "loss": rs[0]["loss"],
                 "runs": rs,
             }
-        summary["memory_ratio"] = summary["reference"]["peak_mib"] / summary["fasttrain"]["peak_mib"]
-        summary["speedup"] = summary["reference"]["time_s"] / summary["fasttrain"]["time_s"]
+        ours = summary["fasttrain"]
+        for impl in impls[:-1]:  # fasttrain against each other implementation
+            suffix = "" if len(impls) == 2 else f"_vs_{impl}"
+            summary[f"memory_ratio{suffix}"] = summary[impl]["peak_mib"] / ours["peak_mib"]
+            summary[f"speedup{suffix}"] = summary[impl]["time_s"] / ours["time_s"]
         results[case] = summary
 
     record = {
@@ -207,38 +283,63 @@ def main() -> None:
 CASE_TITLES = {
     "loss": "loss + backward, {tokens} tokens x hidden 512 x vocab 151,936 (fp32)",
     "model": "Qwen3-shaped model (hidden 256, 2 layers, vocab 151,936), 4 x {seq} tokens, forward + backward (fp32)",
+    "trl_sft": "TRL SFT head (log-probs, entropy, top-1; -sum/n), {tokens} tokens x 512 x 151,936 (fp32)",
+    "trl_dpo": "TRL DPO head (+ mean logits; sigmoid loss, 8 sequences), {tokens} tokens x 512 x 151,936 (fp32)",
 }
 
 
 def _markdown(record: dict) -> str:
     s = record["settings"]
+    cases = record["results"]
     lines = [
-        "# Fused-linear cross-entropy on CPU",
+        "# Fused-linear cross-entropy and TRL's fused LM head on CPU",
         "",
         f"- date: {record['date']}",
         f"- machine: {record['machine']['cpu']}, {record['machine']['cores']} cores "
         f"({record['machine']['threads_used']} torch threads)",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()),
         f"- command: `{record['command']}`",
-        f"- method: each run in its own process, reference and fasttrain alternating, {s['rounds']} rounds x "
-        f"{s['steps']} timed steps (after a warm-up); medians. Peak = child's peak RSS minus its RSS after imports.",
+        f"- method: each run in its own process, implementations alternating (order reversed every other round), "
+        f"{s['rounds']} rounds x {s['steps']} timed steps (after a warm-up); medians. Peak = child's peak RSS "
+        "minus its RSS after imports.",
         "",
-        "| case | reference peak | fasttrain peak | memory ratio | reference time | fasttrain time | speed-up |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for case, r in record["results"].items():
-        title = CASE_TITLES.get(case, case).format(tokens=s["tokens"], seq=s["tokens"] // 4)
-        lines.append(
-            f"| {title} | {r['reference']['peak_mib']:,.0f} MiB | {r['fasttrain']['peak_mib']:,.0f} MiB | "
-            f"{r['memory_ratio']:.1f}x | {r['reference']['time_s']:.2f} s | {r['fasttrain']['time_s']:.2f} s | "
-            f"{r['speedup']:.2f}x |"
-        )
+    pairs = {c: r for c, r in cases.items() if len(IMPLS[c]) == 2}
+    if pairs:
+        lines += [
+            "| case | reference peak | fasttrain peak | memory ratio | reference time | fasttrain time | speed-up |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for case, r in pairs.items():
+            title = CASE_TITLES.get(case, case).format(tokens=s["tokens"], seq=s["tokens"] // 4)
+            lines.append(
+                f"| {title} | {r['reference']['peak_mib']:,.0f} MiB | {r['fasttrain']['peak_mib']:,.0f} MiB | "
+                f"{r['memory_ratio']:.1f}x | {r['reference']['time_s']:.2f} s | {r['fasttrain']['time_s']:.2f} s | "
+                f"{r['speedup']:.2f}x |"
+            )
+        lines.append("")
+    triples = {c: r for c, r in cases.items() if len(IMPLS[c]) == 3}
+    if triples:
+        lines += [
+            "| case | plain logits | TRL chunked | fasttrain | speed-up vs TRL | memory ratio vs TRL "
+            "| speed-up vs plain | memory ratio vs plain |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for case, r in triples.items():
+            title = CASE_TITLES.get(case, case).format(tokens=s["tokens"], seq=s["tokens"] // 4)
+            cells = [f"{r[i]['time_s']:.2f} s, {r[i]['peak_mib']:,.0f} MiB" for i in IMPLS[case]]
+            lines.append(
+                f"| {title} | {' | '.join(cells)} | {r['speedup_vs_trl']:.2f}x | {r['memory_ratio_vs_trl']:.1f}x "
+                f"| {r['speedup_vs_plain']:.2f}x | {r['memory_ratio_vs_plain']:.1f}x |"
+            )
+        lines.append("")
     lines += [
+        "Speed-up = their time / fasttrain's (below 1: fasttrain is slower); memory ratio = their peak / "
+        "fasttrain's.",
         "",
         "Losses (first run): "
         + "; ".join(
-            f"{c}: reference {r['reference']['loss']:.6f}, fasttrain {r['fasttrain']['loss']:.6f}"
-            for c, r in record["results"].items()
+            f"{c}: " + ", ".join(f"{i} {r[i]['loss']:.6f}" for i in IMPLS[c]) for c, r in cases.items()
         ),
         "",
     ]

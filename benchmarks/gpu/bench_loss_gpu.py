@@ -1,6 +1,7 @@
 """GPU benchmark: fused-linear cross-entropy forward + backward, bf16, side by side.
 
-Implementations (each skipped with a recorded reason when it is not installed or fails):
+Default mode: cross-entropy. Implementations (each skipped with a recorded reason when it is not installed
+or fails):
 
 - ``torch``: ``logits = hidden @ weight.T`` then ``ForCausalLMLoss``'s path (``.float()`` + cross-entropy);
 - ``torch_compile``: the same function under ``torch.compile``;
@@ -8,13 +9,28 @@ Implementations (each skipped with a recorded reason when it is not installed or
 - ``cce``: ``cut_cross_entropy.linear_cross_entropy`` (cut-cross-entropy, if it installs);
 - ``fasttrain``: ``fasttrain.fused_linear_cross_entropy`` (Triton kernel).
 
+``--trl``: TRL's fused LM-head contract (``model(..., fused_lm_head=True)``), cases ``sft`` (log-probs, entropy,
+top-1; loss ``-sum(log_probs) / n``) and ``dpo`` (plus mean logits; sigmoid DPO loss over 8 sequences, a
+per-sequence upstream gradient). Only the scored tokens go through the head, as in TRL. Implementations:
+
+- ``plain``: materialised logits, ``log_softmax`` (+ entropy and top-1 without gradient);
+- ``trl``: TRL's ``ChunkedLogProbFunction`` (its Triton kernel on CUDA);
+- ``liger``: Liger's fused-linear cross-entropy, ``sft`` only (the loss alone: no entropy or top-1);
+- ``fasttrain``: ``fused_token_log_probs`` as ``fasttrain.loss.trl_support`` calls it.
+
+Before timing, ``--trl`` checks TRL's and fasttrain's bf16 results against the plain fp32 computation on the
+first shape (per-token outputs and gradients, relative norms, recorded as ``check``). Which kernel serves TRL's head on CUDA (``trl_support.KERNEL_CHOICE``)
+is decided by these timings: where ``trl`` is faster than ``fasttrain`` in both cases, set it to ``"trl"``.
+
 For each shape (tokens x hidden x vocab): one untimed step per implementation for its peak memory
 (``torch.cuda.max_memory_allocated`` above what the inputs already hold) and its loss, then ``--reps``
 rounds in which every implementation runs one timed step in turn (CUDA events; medians). Sized to
 finish in under 4 minutes on one H200; a time budget skips what is left if it would not.
 
     python benchmarks/gpu/bench_loss_gpu.py --out benchmarks/results/
+    python benchmarks/gpu/bench_loss_gpu.py --trl --out benchmarks/results/      # writes loss_trl_gpu.*
     TRITON_INTERPRET=1 python benchmarks/gpu/bench_loss_gpu.py --smoke --out /tmp/x   # CPU, tiny
+    TRITON_INTERPRET=1 python benchmarks/gpu/bench_loss_gpu.py --trl --smoke --out /tmp/x
 """
 
 from __future__ import annotations
@@ -42,6 +58,11 @@ if "--smoke" in sys.argv and os.environ.get("TRITON_INTERPRET") is None:
 import torch
 
 IMPLS = ("torch", "torch_compile", "liger", "cce", "fasttrain")
+TRL_IMPLS = ("plain", "trl", "liger", "fasttrain")
+TRL_OUTPUTS = {
+    "sft": ("log_probs", "entropy", "is_top1"),
+    "dpo": ("log_probs", "entropy", "mean_logits", "is_top1"),
+}
 
 
 def _reference(hidden, weight, labels):
@@ -73,6 +94,85 @@ def build(impl: str, backend: str):
     raise ValueError(impl)
 
 
+def _per_token(impl: str, case: str, backend: str, hidden, weight, labels):
+    """(log_probs, entropy) of the scored tokens, by ``impl``."""
+    import torch.nn.functional as F
+
+    outputs = TRL_OUTPUTS[case]
+    if impl == "plain":
+        log_p = F.log_softmax((hidden @ weight.t()).float(), dim=-1)
+        with torch.no_grad():
+            entropy = -(log_p.exp() * log_p).sum(-1)
+            _ = log_p.argmax(-1) == labels
+        return log_p.gather(1, labels[:, None]).squeeze(1), entropy
+    if impl == "trl":
+        from trl.kernels import ChunkedLogProbFunction
+
+        out = ChunkedLogProbFunction.apply(hidden, weight, None, labels, 1.0, 32768, None, 1.0, outputs)
+        return out[0], out[1]
+    from fasttrain.loss.token_logprobs import fused_token_log_probs
+
+    out = fused_token_log_probs(
+        hidden, weight, labels, outputs=outputs, uniform_grad=case == "sft", backend=backend
+    )
+    return out.log_probs, out.entropy
+
+
+def _trl_loss(case: str, log_probs, valid):
+    if case == "sft":
+        return -log_probs.sum() / valid.sum()
+    per_token = log_probs.new_zeros(valid.shape).masked_scatter(valid, log_probs)
+    ratios = per_token.reshape(8, -1).sum(1)  # the reference log-probs are a constant: left out
+    chosen, rejected = ratios.chunk(2)
+    return -torch.nn.functional.logsigmoid(0.1 * (chosen - rejected)).mean()
+
+
+def build_trl(impl: str, case: str, backend: str):
+    """A callable (hidden, weight, labels) -> loss through TRL's head contract, or raises ImportError."""
+    if impl == "liger":
+        if case != "sft":
+            raise NotImplementedError("Liger has no per-token log-prob head for the DPO case")
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        module = LigerFusedLinearCrossEntropyLoss()
+        return lambda h, w, y: module(w, h, y)
+    if impl == "trl":
+        import trl.kernels  # noqa: F401
+    if impl not in ("plain", "trl", "fasttrain"):
+        raise ValueError(impl)
+
+    def fn(hidden, weight, labels):
+        valid = labels != -100
+        log_probs, _ = _per_token(impl, case, backend, hidden[valid], weight, labels[valid])
+        return _trl_loss(case, log_probs, valid)
+
+    return fn
+
+
+def check_trl(case: str, backend: str, hidden, weight, labels) -> dict:
+    """TRL's and fasttrain's bf16 results against the plain fp32 computation on the same (rounded) inputs:
+    relative norm of the difference for the log-probs, the entropy and both gradients."""
+    valid = labels != -100
+    got = {}
+    for impl, dtype in (("plain", torch.float32), ("trl", hidden.dtype), ("fasttrain", hidden.dtype)):
+        h = hidden.detach().to(dtype).requires_grad_()
+        w = weight.detach().to(dtype).requires_grad_()
+        log_probs, entropy = _per_token(impl, case, backend, h[valid], w, labels[valid])
+        _trl_loss(case, log_probs, valid).backward()
+        got[impl] = {"log_probs": log_probs, "entropy": entropy, "grad_hidden": h.grad, "grad_weight": w.grad}
+        del h, w
+    ref = got.pop("plain")
+    return {
+        impl: {
+            name: float(
+                (x.detach().float() - ref[name].detach().float()).norm() / ref[name].detach().float().norm()
+            )
+            for name, x in outs.items()
+        }
+        for impl, outs in got.items()
+    }
+
+
 class Timer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -90,7 +190,7 @@ class Timer:
         return time.perf_counter() - t0
 
 
-def run_shape(tokens, hidden_size, vocab, impls, fns, device, reps, deadline):
+def run_shape(tokens, hidden_size, vocab, impls, fns, device, reps, deadline, check=None):
     g = torch.Generator(device="cpu").manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, generator=g).to(device, torch.bfloat16).requires_grad_()
     weight = (torch.randn(vocab, hidden_size, generator=g) * hidden_size**-0.5).to(device, torch.bfloat16)
@@ -99,6 +199,11 @@ def run_shape(tokens, hidden_size, vocab, impls, fns, device, reps, deadline):
     labels[::7] = -100
     timer = Timer(device)
     out = {}
+    if check is not None:  # correctness before speed
+        try:
+            out["check"] = check(hidden, weight, labels)
+        except Exception as exc:
+            out["check"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
     def step(fn):
         hidden.grad = weight.grad = None
@@ -153,7 +258,7 @@ def versions() -> dict:
     import importlib.metadata as md
 
     out = {"python": platform.python_version(), "torch": torch.__version__}
-    for pkg in ("triton", "transformers", "liger-kernel", "cut-cross-entropy", "fasttrain"):
+    for pkg in ("triton", "transformers", "trl", "liger-kernel", "cut-cross-entropy", "fasttrain"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
@@ -173,8 +278,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting new work after this")
-    parser.add_argument("--name", default="loss_gpu")
+    parser.add_argument("--name", default=None, help="results file name (default loss_gpu / loss_trl_gpu)")
+    parser.add_argument("--trl", action="store_true", help="TRL's fused LM-head contract (sft and dpo cases)")
     args = parser.parse_args()
+    if args.trl and "--tokens" not in sys.argv:
+        args.tokens, args.vocabs = "8192,32768", "151936"
+    if args.trl and "--impls" not in sys.argv:
+        args.impls = ",".join(TRL_IMPLS)
+    args.name = args.name or ("loss_trl_gpu" if args.trl else "loss_gpu")
     if args.smoke:
         args.tokens, args.vocabs, args.hidden, args.reps = "64", "1000,70001", 32, 2
         args.budget_s = float("inf")  # a CPU check of the code path, not a timing
@@ -184,28 +295,36 @@ def main() -> None:
         sys.exit("no CUDA device: run with --smoke for a CPU check")
     backend = "triton" if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-    fns = {}
-    for impl in impls:
-        try:
-            fns[impl] = build(impl, backend)
-        except ImportError as exc:
-            fns[impl] = f"not installed: {exc}"
-
-    deadline = time.monotonic() + args.budget_s  # after imports and compilation setup
+    cases = ("sft", "dpo") if args.trl else ("cross_entropy",)
+    deadline = time.monotonic() + args.budget_s
     shapes = [(int(t), int(v)) for v in args.vocabs.split(",") for t in args.tokens.split(",")]
     results = []
-    for tokens, vocab in shapes:
-        print(
-            f"[bench_loss_gpu] tokens={tokens} hidden={args.hidden} vocab={vocab}",
-            file=sys.stderr,
-            flush=True,
-        )
-        try:
-            res = run_shape(tokens, args.hidden, vocab, impls, fns, device, args.reps, deadline)
-        except Exception:
-            res = {"error": traceback.format_exc()[-500:]}
-        results.append({"tokens": tokens, "hidden": args.hidden, "vocab": vocab, "impls": res})
-        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    for case in cases:
+        fns = {}
+        for impl in impls:
+            try:
+                fns[impl] = build_trl(impl, case, backend) if args.trl else build(impl, backend)
+            except ImportError as exc:
+                fns[impl] = f"not installed: {exc}"
+            except NotImplementedError as exc:
+                fns[impl] = f"n/a: {exc}"
+        for n, (tokens, vocab) in enumerate(shapes):
+            print(
+                f"[bench_loss_gpu] {case} tokens={tokens} hidden={args.hidden} vocab={vocab}",
+                file=sys.stderr,
+                flush=True,
+            )
+            check = None
+            if args.trl and n == 0 and not isinstance(fns.get("trl"), str):
+                check = lambda h, w, y, case=case: check_trl(case, backend, h, w, y)  # noqa: E731
+            try:
+                res = run_shape(tokens, args.hidden, vocab, impls, fns, device, args.reps, deadline, check)
+            except Exception:
+                res = {"error": traceback.format_exc()[-500:]}
+            results.append(
+                {"case": case, "tokens": tokens, "hidden": args.hidden, "vocab": vocab, "impls": res}
+            )
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
 
     record = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -217,6 +336,7 @@ def main() -> None:
             "dtype": "bfloat16",
             "fasttrain_backend": backend,
             "smoke": args.smoke,
+            "trl": args.trl,
         },
         "results": results,
     }
@@ -227,8 +347,9 @@ def main() -> None:
 
 
 def markdown(record: dict, impls: list[str]) -> str:
+    title = "TRL's fused LM head" if record["settings"].get("trl") else "Fused-linear cross-entropy"
     lines = [
-        "# Fused-linear cross-entropy on GPU (bf16, forward + backward)",
+        f"# {title} on GPU (bf16, forward + backward)",
         "",
         f"- date: {record['date']}",
         f"- device: {record['device']}",
@@ -237,9 +358,10 @@ def markdown(record: dict, impls: list[str]) -> str:
         "- method: per shape, one untimed step per implementation for peak memory (max_memory_allocated above "
         f"the inputs), then {record['settings']['reps']} alternating rounds of timed steps; medians.",
         "",
-        "| tokens | vocab | " + " | ".join(impls) + " |",
-        "| ---: | ---: | " + " | ".join("---:" for _ in impls) + " |",
+        "| case | tokens | vocab | " + " | ".join(impls) + " |",
+        "| --- | ---: | ---: | " + " | ".join("---:" for _ in impls) + " |",
     ]
+    checks = []
     for r in record["results"]:
         cells = []
         for impl in impls:
@@ -250,8 +372,16 @@ def markdown(record: dict, impls: list[str]) -> str:
                 cells.append(t + mem)
             else:
                 cells.append(x.get("skipped") or (x.get("error", "error")[:40]))
-        lines.append(f"| {r['tokens']} | {r['vocab']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r.get('case', '')} | {r['tokens']} | {r['vocab']} | " + " | ".join(cells) + " |")
+        if isinstance(r["impls"], dict) and "check" in r["impls"]:
+            checks.append(f"- {r['case']}: " + json.dumps(r["impls"]["check"]))
     lines.append("")
+    if checks:
+        lines += [
+            "Error against the plain fp32 computation (relative norm, first shape of each case):",
+            *checks,
+            "",
+        ]
     return "\n".join(lines)
 
 

@@ -21,28 +21,30 @@ the logits are not recomputed) for an upstream gradient of 1 and scaled by the r
 (a device scalar, no host sync) in backward. For ``reduction="none"`` each token's upstream gradient is
 only known in backward, so the backward recomputes the chunks with those per-row scales.
 
-Deliberate differences from ``F.cross_entropy`` on materialised logits: a mean over zero non-ignored
-tokens (or a zero ``num_items_in_batch``) gives 0 instead of NaN; the softcap is applied in fp32 (the
-Gemma2 reference applies it in the model dtype).
+Empty means keep torch's semantics, because the Trainer relies on them (its evaluation loop drops NaN
+batch losses, its training loop NaN/inf steps): a mean over zero non-ignored tokens is ``0 / 0`` = NaN with
+zero gradients (``F.cross_entropy``); ``num_items_in_batch=0`` divides by zero like ``ForCausalLMLoss``
+(NaN when every token is ignored, with zero gradients; else inf, with non-finite gradients on the scored
+tokens). One deliberate difference: the softcap is applied in fp32 (the Gemma2 reference applies it in
+the model dtype).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .._logging import log_once
+from .._backend import check_backend, resolve_backend
 from . import torch_backend
+from ._matmul import Scratch, addmm_fp32, chunk_logits
 
 __all__ = ["MIN_CHUNK_ROWS", "default_chunk_rows", "fused_linear_cross_entropy"]
 
 MIN_CHUNK_ROWS = 256
 _REDUCTIONS = ("mean", "sum", "none")
-_BACKENDS = ("auto", "torch", "triton")
 
 
 def default_chunk_rows(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
@@ -54,55 +56,11 @@ def default_chunk_rows(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
 
 
 def _chunk_fn(backend: str, device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    if backend == "auto":
-        backend = "triton" if device.type == "cuda" and _triton_importable() else "torch"
-    if backend == "torch":
+    if resolve_backend(backend, device, "fused_linear_cross_entropy") == "torch":
         return torch_backend.cross_entropy_chunk
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"backend='triton' on a {device.type} tensor needs the Triton interpreter: set "
-            "TRITON_INTERPRET=1 before triton is first imported (or use backend='torch')"
-        )
     from fasttrain.kernels.cross_entropy import cross_entropy_chunk
 
     return cross_entropy_chunk
-
-
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-_MIXED_ADDMM_OK = True  # torch >= 2.8 on CUDA: addmm with bf16/fp16 operands and an fp32 output
-
-
-def _accumulate_weight_grad(
-    grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor
-) -> None:
-    """grad_weight (fp32) += grad_logits.T @ hidden, with fp32 accumulation for bf16/fp16 inputs."""
-    if grad_logits.dtype == torch.float32:
-        grad_weight.addmm_(grad_logits.t(), hidden)
-    elif grad_logits.is_cuda:
-        # bf16 operands, fp32 accumulate and output: no fp32 copies of the chunk (torch >= 2.8)
-        global _MIXED_ADDMM_OK
-        if _MIXED_ADDMM_OK:
-            try:
-                torch.addmm(grad_weight, grad_logits.t(), hidden, out_dtype=torch.float32, out=grad_weight)
-                return
-            except (TypeError, RuntimeError, NotImplementedError) as exc:
-                _MIXED_ADDMM_OK = False
-                log_once(
-                    "flce-mixed-addmm",
-                    f"fasttrain loss: no bf16->fp32 addmm in this torch ({exc.__class__.__name__}); the weight "
-                    "gradient adds each chunk's product (input dtype) into its fp32 accumulator instead",
-                )
-        grad_weight.add_(torch.mm(grad_logits.t(), hidden))
-    else:
-        # CPU has no mixed-dtype matmul: chunk-sized fp32 copies keep the accumulation exact
-        grad_weight.addmm_(grad_logits.t().float(), hidden.float())
 
 
 def _run_chunks(
@@ -131,10 +89,11 @@ def _run_chunks(
         if compute_grad and needs[2] and bias is not None
         else None
     )
+    scratch = Scratch()  # one logits buffer for every chunk
     for start in range(0, n_tokens, chunk_rows):
         end = min(start + chunk_rows, n_tokens)
         h = hidden[start:end]
-        logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())  # [rows, V]
+        logits = chunk_logits(h, weight, bias, scratch)  # [rows, V]
         row_scale = None
         if compute_grad:
             assert scale is not None
@@ -155,7 +114,7 @@ def _run_chunks(
         if grad_hidden is not None:
             torch.mm(logits, weight, out=grad_hidden[start:end])
         if grad_weight is not None:
-            _accumulate_weight_grad(grad_weight, logits, h)
+            addmm_fp32(grad_weight, logits.t(), h)
         if grad_bias is not None:
             grad_bias += logits.sum(dim=0, dtype=torch.float32)
     return loss, grad_hidden, grad_weight, grad_bias
@@ -181,17 +140,19 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # mean / sum: gradients now, for an upstream gradient of 1
         scale = None
         if any(needs):
+            # 1 / 0 = inf when nothing is counted: the scored rows get torch's non-finite gradients,
+            # ignored rows stay exactly zero (the chunk functions zero them whatever the scale)
             scale = (
                 torch.ones((), dtype=torch.float32, device=hidden.device)
                 if denominator is None
-                else torch.where(denominator > 0, 1.0 / denominator, 0.0).float()
+                else 1.0 / denominator
             )
         loss, grad_hidden, grad_weight, grad_bias = _run_chunks(
             hidden, weight, bias, labels, scale, opts, chunk_rows, needs
         )
         total = loss.sum()
         if denominator is not None:
-            total = torch.where(denominator > 0, total / denominator.clamp(min=1e-30), 0.0)
+            total = total / denominator  # torch's semantics: 0 / 0 = NaN, x / 0 = inf
         # Held on ctx, not saved tensors: backward scales them in place (no second [V, H] buffer) and
         # drops them, so a second backward through this graph fails loudly instead of rescaling.
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
@@ -271,8 +232,7 @@ def _validate(hidden, weight, bias, labels, reduction, label_smoothing, z_loss, 
         )
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    check_backend(backend, "fused_linear_cross_entropy")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if z_loss < 0.0:
@@ -307,6 +267,11 @@ def fused_linear_cross_entropy(
     ignore_index, label_smoothing, reduction="none") + z_loss * logsumexp(logits)**2`` on non-ignored
     tokens (0 on ignored ones); ``"mean"`` divides the sum by the non-ignored count, or by
     ``num_items_in_batch`` when given; ``"none"`` returns fp32 with ``labels``' shape.
+
+    Empty batches behave as in torch (the Trainer relies on it): ``"mean"`` with every label ignored is
+    NaN (``0 / 0``) with zero gradients; ``num_items_in_batch=0`` gives ``sum / 0``: NaN with zero
+    gradients when every label is ignored, else inf, with non-finite gradients (NaN/inf) on the scored
+    tokens' rows and zero ones elsewhere, as ``ForCausalLMLoss`` gives.
 
     ``backend``: ``"auto"`` (Triton on CUDA, else PyTorch), ``"triton"`` (CPU needs TRITON_INTERPRET=1)
     or ``"torch"``. ``chunk_rows`` overrides the chunk size rule (``default_chunk_rows``). Under autocast

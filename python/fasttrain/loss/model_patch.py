@@ -112,6 +112,9 @@ def _unsupported_reason(model: nn.Module) -> str | None:
     name = type(model).__name__
     if name not in SUPPORTED_ARCHITECTURES or not type(model).__module__.startswith("transformers.models."):
         return f"{name} is not a causal LM the fused loss knows (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+    code = getattr(getattr(model.__dict__.get("forward"), "__func__", None), "__code__", None)
+    if code is not None and code.co_name == "_fused_forward" and "trl" in code.co_filename:
+        return f"{name} has TRL's fused LM head (its trainer's loss is served by fasttrain.loss.trl_support)"
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear:
         return f"{name}'s output layer is {type(head).__name__}, not a plain nn.Linear (e.g. LoRA on lm_head)"
@@ -146,6 +149,7 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     labels = arguments.get("labels")
     if (
         labels is None
+        or arguments.get("fused_lm_head")  # TRL's fused-head call: trl_support serves those
         or not (self.training or state.eval_fused)
         or arguments.get("return_dict") is False
         or arguments.get("logits_to_keep") not in (None, 0)
@@ -201,7 +205,7 @@ def _state(model: nn.Module) -> _FusedLossState | None:
 
 def enable_fused_loss(model: nn.Module) -> str | None:
     """Wrap the causal LM's forward (this instance only). Returns None when enabled, else a short reason
-    why the model keeps its own path (also logged once). Idempotent."""
+    why the model keeps its own path; it logs nothing (the caller reports the reason once). Idempotent."""
     target = find_causal_lm(model)
     state = target.__dict__.get(_STATE_ATTR)
     if state is not None:

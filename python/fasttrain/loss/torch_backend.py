@@ -52,7 +52,10 @@ def cross_entropy_chunk(
         return loss, lse_out
 
     assert scale is not None
-    row_scale = scale.to(device=x.device, dtype=torch.float32).reshape(-1).expand(rows) * valid
+    # where, not a product: an ignored row's gradient is exactly 0 even for an inf scale (num_items_in_batch=0)
+    row_scale = torch.where(
+        valid, scale.to(device=x.device, dtype=torch.float32).reshape(-1).expand(rows), 0.0
+    )
     softmax_scale = row_scale * (1.0 + 2.0 * z_loss * lse) if z_loss else row_scale
     # grad = softmax * softmax_scale - smoothing - (1 - eps) * onehot, built in place in x
     grad = x.mul_((softmax_scale / sum_exp).unsqueeze(1))

@@ -1,0 +1,278 @@
+"""TRL's SFTTrainer and DPOTrainer on fasttrain's kernel: serve TRL's fused LM-head contract.
+
+TRL (1.16) computes these trainers' losses and metrics from ``model(..., labels=..., fused_lm_head=True)``, a
+per-instance forward that ``trl.trainer.utils.add_fused_lm_head`` installs at ``__init__``: it runs the backbone
+and returns a ``FusedCausalLMOutput`` (per-token ``log_probs`` and, as configured, ``entropy``,
+``log_sum_sq_probs``, ``mean_logits``, ``is_top1``, plus ``label_mask`` and the loss) without the logits.
+``enable_for_trainer`` keeps that contract and that public switch, and puts fasttrain's chunked kernel behind
+it (``fused_token_log_probs``: Triton on CUDA, the chunked torch path elsewhere), for the policy model and
+DPO's reference model, instance by instance:
+
+- calls without ``fused_lm_head=True`` (generation, ``compute_loss_func``, logits for metrics) go to TRL's
+  forward unchanged, and so do calls fasttrain does not serve (MoE router logits, a ZeRO-3 partitioned head);
+- the head's settings (temperature, logit scale, softcap, requested outputs, backbone attribute) are read from
+  the forward TRL installed (its closure): that is private to TRL, so it is gated on the TRL versions this was
+  tested with (``TESTED_TRL``) and on the names being there; otherwise a reason is returned and TRL keeps
+  its own head;
+- SFT's ``nll`` loss is ``-sum(log_probs) / n``: its gradient is the same on every scored token, so the forward
+  computes the gradients speculatively and the backward only scales them (``uniform_grad``; checked, and
+  recomputed when it does not hold). DPO's gradients differ per sequence: the backward recomputes.
+
+TRL's own kernel may still be the faster one on a GPU: ``KERNEL_CHOICE`` says which kernel serves each device
+type and trainer, decided by ``benchmarks/gpu/bench_loss_gpu.py --trl``; where it says ``"trl"``,
+``enable_for_trainer`` returns that reason and TRL's head stays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._logging import log_once
+from .model_patch import find_causal_lm
+from .token_logprobs import fused_token_log_probs
+
+__all__ = ["KERNEL_CHOICE", "TESTED_TRL", "disable_for_trainer", "enable_for_trainer", "fused_calls"]
+
+# TRL versions whose add_fused_lm_head layout this module was tested against: [first, last-excluded).
+TESTED_TRL = ("1.16", "2.0")
+# Which kernel serves TRL's fused head, per (device type, trainer kind): "fasttrain" or "trl".
+# CPU: measured, fasttrain's is faster for both (benchmarks/results/loss_trl_cpu.md).
+# CUDA: not measured yet; fasttrain's until benchmarks/gpu/bench_loss_gpu.py --trl says otherwise (SFT saves a
+# matmul with fasttrain's speculation; DPO runs the same four matmuls as TRL, so the per-row kernels decide).
+KERNEL_CHOICE = {
+    ("cpu", "sft"): "fasttrain",
+    ("cpu", "dpo"): "fasttrain",
+    ("cuda", "sft"): "fasttrain",
+    ("cuda", "dpo"): "fasttrain",
+}
+
+_STATE_ATTR = "_fasttrain_trl_head"
+_CLOSURE_NAMES = (
+    "backbone_attr",
+    "cast_lm_head_to_fp32",
+    "final_logit_softcapping",
+    "logit_scale",
+    "outputs",
+    "temperature",
+    "text_config",
+)
+
+
+@dataclasses.dataclass
+class _HeadState:
+    trl_forward: Any  # the bound forward TRL installed: every call fasttrain does not serve goes there
+    settings: dict[str, Any]  # read from TRL's forward (see _CLOSURE_NAMES)
+    uniform_grad: bool
+    active: bool = True
+    fused_calls: int = 0
+
+
+def _trl_problem() -> str | None:
+    try:
+        import trl
+        from packaging.version import Version
+    except ImportError:
+        return "TRL does not import"
+    version = Version(trl.__version__)
+    first, end = (Version(v) for v in TESTED_TRL)
+    if not first <= version < end:
+        try:
+            from trl.trainer.utils import add_fused_lm_head  # noqa: F401
+        except ImportError:
+            return (
+                f"TRL {trl.__version__} has no fused LM head: its trainers read the logits (entropy, token "
+                "accuracy), so their loss keeps TRL's path"
+            )
+        return f"TRL {trl.__version__}: fasttrain serves TRL's fused LM head for TRL >= {first}, < {end}"
+    return None
+
+
+def _trainer_kind(trainer: Any) -> str | None:
+    from trl import DPOTrainer, SFTTrainer
+
+    if isinstance(trainer, SFTTrainer):
+        return "sft"
+    if isinstance(trainer, DPOTrainer):
+        return "dpo"
+    return None
+
+
+def _read_trl_head(model: nn.Module) -> tuple[Any, dict[str, Any]] | str:
+    """(TRL's bound forward, its settings), or why this model's forward is not TRL's known fused head."""
+    import trl.trainer.utils
+
+    forward = model.__dict__.get("forward")
+    code = getattr(getattr(forward, "__func__", None), "__code__", None)
+    # functools.wraps gave it the class forward's names: recognise TRL's function by its code object
+    if code is None or code.co_name != "_fused_forward" or code.co_filename != trl.trainer.utils.__file__:
+        return f"{type(model).__name__} has no TRL fused LM head (add_fused_lm_head) installed"
+    func = forward.__func__
+    cells = dict(zip(func.__code__.co_freevars, func.__closure__ or (), strict=True))
+    missing = [name for name in _CLOSURE_NAMES if name not in cells]
+    if missing:
+        return f"TRL's fused LM head has a layout fasttrain does not know (no {', '.join(missing)})"
+    settings = {name: cells[name].cell_contents for name in _CLOSURE_NAMES}
+    if settings["cast_lm_head_to_fp32"]:
+        return "TRL's fused LM head casts the head to fp32 (cast_lm_head_to_fp32): kept TRL's"
+    head = model.get_output_embeddings()
+    if not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.dim() != 2:
+        return f"{type(model).__name__}'s output layer has no 2-D weight"
+    return forward, settings
+
+
+def _models(trainer: Any, kind: str) -> list[nn.Module]:
+    # TRL adds its head to the PEFT base model (get_base_model) and to DPO's separate reference model
+    models = [find_causal_lm(trainer.model)]
+    ref = getattr(trainer, "ref_model", None) if kind == "dpo" else None
+    if ref is not None:
+        models.append(find_causal_lm(ref))
+    return models
+
+
+def enable_for_trainer(trainer: Any) -> str | None:
+    """Serve this TRL trainer's fused LM head (policy and reference model) from fasttrain's kernel. Returns
+    None when it does, else why not (TRL's own head then stays everywhere). Logs nothing; idempotent."""
+    problem = _trl_problem()
+    if problem is not None:
+        return problem
+    kind = _trainer_kind(trainer)
+    if kind is None:
+        return f"{type(trainer).__name__} is not a TRL SFTTrainer or DPOTrainer"
+    device_type = trainer.args.device.type
+    if KERNEL_CHOICE.get((device_type, kind), "fasttrain") == "trl":
+        return f"TRL's own fused LM head measured faster for {kind} on {device_type} (KERNEL_CHOICE)"
+    uniform = kind == "sft" and getattr(trainer.args, "loss_type", "nll") in ("nll", "chunked_nll")
+    plans = []
+    for model in _models(trainer, kind):
+        if _STATE_ATTR in model.__dict__:
+            model.__dict__[_STATE_ATTR].active = True
+            continue
+        found = _read_trl_head(model)
+        if isinstance(found, str):
+            return found
+        plans.append((model, found))
+    for model, (trl_forward, settings) in plans:  # all or nothing: the status is then true for every model
+        model.__dict__[_STATE_ATTR] = _HeadState(trl_forward, settings, uniform_grad=uniform)
+        model.forward = types.MethodType(_make_forward(type(model)), model)
+    return None
+
+
+def _state(model: nn.Module) -> _HeadState | None:
+    return model.__dict__.get(_STATE_ATTR)
+
+
+def disable_for_trainer(trainer: Any) -> None:
+    """Put TRL's own fused head back (exactly, where nothing has wrapped the forward since)."""
+    kind = _trainer_kind(trainer) or "sft"
+    for model in _models(trainer, kind):
+        state = _state(model)
+        if state is None:
+            continue
+        if getattr(model.__dict__.get("forward"), "__func__", None) is not None and getattr(
+            model.forward.__func__, "_fasttrain_trl_head", False
+        ):
+            model.forward = state.trl_forward
+            del model.__dict__[_STATE_ATTR]
+        else:
+            state.active = False
+
+
+def fused_calls(trainer: Any) -> int:
+    """How many forwards of this trainer's models took fasttrain's kernel (the evidence behind a status)."""
+    kind = _trainer_kind(trainer) or "sft"
+    return sum(state.fused_calls for m in _models(trainer, kind) if (state := _state(m)) is not None)
+
+
+def _make_forward(model_cls: type) -> Any:
+    # Keep the class forward's signature: generate() and the Trainer's column filter inspect it
+    @functools.wraps(model_cls.forward)
+    def forward(
+        self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs
+    ):
+        state: _HeadState = self.__dict__[_STATE_ATTR]
+        reason = None if fused_lm_head and state.active else "not served"
+        if reason is None:
+            reason = _call_problem(self, state, kwargs)
+        if reason is not None:
+            if reason != "not served":
+                log_once(f"trl-head:{reason}", f"fasttrain: {reason}; this call keeps TRL's fused LM head")
+            return state.trl_forward(
+                *args,
+                fused_lm_head=fused_lm_head,
+                labels=labels,
+                shift_labels=shift_labels,
+                num_items_in_batch=num_items_in_batch,
+                **kwargs,
+            )
+        return _fused_head(self, state, args, kwargs, labels, shift_labels, num_items_in_batch)
+
+    forward._fasttrain_trl_head = True  # type: ignore[attr-defined]
+    return forward
+
+
+def _call_problem(model: nn.Module, state: _HeadState, kwargs: dict[str, Any]) -> str | None:
+    if kwargs.get("output_router_logits") or getattr(
+        state.settings["text_config"], "output_router_logits", False
+    ):
+        return "MoE router logits (aux loss) are left to TRL's fused head"
+    if hasattr(model.get_output_embeddings().weight, "ds_id"):
+        return "the output weight is a DeepSpeed ZeRO-3 partitioned parameter"
+    return None
+
+
+def _fused_head(model, state, args, kwargs, labels, shift_labels, num_items_in_batch):
+    """TRL's ``_fused_forward`` (same inputs, same FusedCausalLMOutput) with fasttrain's kernel."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    settings = state.settings
+    kwargs["use_cache"] = False
+    hidden = getattr(model, settings["backbone_attr"])(*args, **kwargs).last_hidden_state
+    if shift_labels is None:
+        hidden, labels = hidden[:, :-1], labels[:, 1:]
+    else:
+        labels = shift_labels
+    head = model.get_output_embeddings()
+    weight, bias = head.weight, head.bias
+    hidden, labels = hidden.to(weight.device), labels.to(weight.device)
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        DTensor = ()
+    if isinstance(weight, DTensor):  # FSDP2: gather the head once, as TRL does
+        weight = weight.full_tensor()
+        bias = None if bias is None else bias.full_tensor()
+    mask = labels != -100
+    state.fused_calls += 1
+    # only the scored positions go through the head (a host sync on a GPU, as in TRL's compact path)
+    stats = fused_token_log_probs(
+        hidden[mask],
+        weight,
+        labels[mask],
+        bias,
+        temperature=settings["temperature"],
+        logit_scale=settings["logit_scale"],
+        softcap=settings["final_logit_softcapping"],
+        outputs=tuple(settings["outputs"]),
+        uniform_grad=state.uniform_grad,
+    )
+    # masked_scatter keeps an all-masked batch connected to the graph (a differentiable zero), as TRL does
+    log_probs, entropy, log_sum_sq, mean_logits, is_top1 = (
+        None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in stats
+    )
+    count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return FusedCausalLMOutput(
+        loss=-log_probs.sum() / count,
+        log_probs=log_probs,
+        entropy=entropy,
+        log_sum_sq_probs=log_sum_sq,
+        mean_logits=mean_logits,
+        is_top1=is_top1,
+        label_mask=mask,
+        aux_loss=None,
+    )

@@ -1,0 +1,346 @@
+"""TRL's SFTTrainer and DPOTrainer with ``fasttrain.loss.trl_support.enable_for_trainer``: the loss and every
+logged metric equal the unpatched TRL run at every step (fp32), TRL's own kernel and the lm_head module are
+not called, and ``fused_calls`` counts the forwards that took fasttrain's kernel.
+
+The functions are called directly (not through fasttrain's Trainer integration). Tiny models, 2-3 steps.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import _tiny
+from fasttrain.loss import trl_support
+
+trl = pytest.importorskip("trl")
+trl_utils = pytest.importorskip("trl.trainer.utils")
+
+RTOL = 1e-4
+ATOL = 1e-6  # rewards/* start at exactly 0 (policy == reference), and stay near it for a few steps
+
+
+class _Detectors:
+    """Counts calls of TRL's ChunkedLogProbFunction and of every lm_head module's forward."""
+
+    def __init__(self, monkeypatch):
+        self.trl_kernel = 0
+        self.lm_head = 0
+        original = trl_utils._ChunkedLogProbFunction
+        detector = self
+
+        class Counting(original):
+            @staticmethod
+            def forward(ctx, *args, **kwargs):
+                detector.trl_kernel += 1
+                return original.forward(ctx, *args, **kwargs)
+
+        monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Counting)
+
+    def watch(self, *models):
+        for model in models:
+            if model is not None:
+                model.get_output_embeddings().register_forward_hook(self._hit)
+
+    def _hit(self, *_):
+        self.lm_head += 1
+
+
+def _train(make_trainer, enable, monkeypatch):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL's deprecation / padding-free notes
+        trainer = make_trainer()
+    detectors = _Detectors(
+        monkeypatch
+    )  # counts from here: DPO may precompute reference log-probs in __init__
+    if enable:
+        assert trl_support.enable_for_trainer(trainer) is None
+        assert trl_support.enable_for_trainer(trainer) is None  # idempotent
+    detectors.watch(trainer.model, getattr(trainer, "ref_model", None))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+    return trainer, logs, detectors
+
+
+def _compare(ref_logs, our_logs, must_have):
+    assert len(ref_logs) == len(our_logs) >= 2
+    for step, (a, b) in enumerate(zip(ref_logs, our_logs, strict=True), start=1):
+        assert a.keys() == b.keys(), step
+        assert must_have <= a.keys(), sorted(a)
+        for key, expected in a.items():
+            got = b[key]
+            if isinstance(expected, float) and math.isfinite(expected):
+                assert abs(got - expected) <= RTOL * abs(expected) + ATOL, (step, key, got, expected)
+            else:
+                assert got == expected, (step, key)
+
+
+def _run_both(make_trainer, monkeypatch, must_have):
+    _, ref_logs, ref_det = _train(make_trainer, False, monkeypatch)
+    trainer, our_logs, our_det = _train(make_trainer, True, monkeypatch)
+    _compare(ref_logs, our_logs, must_have)
+    assert ref_det.trl_kernel > 0  # the detector sees TRL's kernel when it runs ...
+    assert our_det.trl_kernel == 0 and our_det.lm_head == 0  # ... and nothing but fasttrain's when enabled
+    # every forward TRL's head served in the unpatched run took fasttrain's kernel instead
+    assert trl_support.fused_calls(trainer) == ref_det.trl_kernel
+    return trainer
+
+
+# ---------------------------------------------------------------------------------------------- SFTTrainer
+
+SFT_METRICS = {"loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"}
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }} [EOS] "
+    "{% endgeneration %}{% else %}{{ m['content'] }} {% endif %}{% endfor %}"
+)
+
+
+def _sft_dataset(kind):
+    ds = _tiny.text_dataset(n=24, seed=1)
+    if kind == "text":
+        return ds.select_columns(["text"])
+    if kind == "prompt-completion":
+        return ds.select_columns(["prompt", "chosen"]).rename_column("chosen", "completion")
+    # conversational, for assistant_only_loss
+    return ds.map(
+        lambda r: {
+            "messages": [
+                {"role": "user", "content": r["prompt"]},
+                {"role": "assistant", "content": r["chosen"]},
+                {"role": "user", "content": r["rejected"]},
+                {"role": "assistant", "content": r["prompt"]},
+            ]
+        },
+        remove_columns=ds.column_names,
+    )
+
+
+def _sft_factory(tmp_path, dataset="text", model="llama", with_eval=False, **config):
+    def make():
+        tokenizer = _tiny.tokenizer()
+        tokenizer.chat_template = CHAT_TEMPLATE
+        settings = dict(
+            output_dir=str(tmp_path),
+            max_steps=3,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            seed=0,
+            learning_rate=1e-3,
+            max_length=48,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            bf16=False,  # TRL defaults to bf16 autocast, also on CPU: the comparison is in fp32
+        )
+        settings.update(config)
+        data = _sft_dataset(dataset)
+        return trl.SFTTrainer(
+            model=_tiny.model(model),
+            args=trl.SFTConfig(**settings),
+            train_dataset=data,
+            eval_dataset=data.select(range(8)) if with_eval else None,
+            processing_class=tokenizer,
+        )
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("case", "dataset", "config"),
+    [
+        ("nll", "text", {}),
+        ("chunked_nll", "text", {"loss_type": "chunked_nll"}),
+        ("dft (non-uniform gradient)", "text", {"loss_type": "dft"}),
+        ("completion-only", "prompt-completion", {}),
+        ("assistant-only", "conversational", {"assistant_only_loss": True}),
+        ("packing (padding-free, position_ids)", "text", {"packing": True}),
+        ("padding_free", "prompt-completion", {"padding_free": True, "max_length": None}),
+    ],
+)
+def test_sft_same_loss_and_metrics(case, dataset, config, tmp_path, monkeypatch):
+    from fasttrain.loss import token_logprobs
+
+    speculation = []  # for each speculating backward: could it scale the forward's gradients?
+    check = token_logprobs._uniform_value
+    monkeypatch.setattr(
+        token_logprobs, "_uniform_value", lambda *a: speculation.append(check(*a) is not None) or check(*a)
+    )
+    _run_both(_sft_factory(tmp_path, dataset, **config), monkeypatch, SFT_METRICS)
+    if config.get("loss_type") == "dft":  # a per-token weight: no speculation, the backward recomputes
+        assert speculation == []
+    else:  # -sum(log_probs) / n: every backward scaled the gradients the forward computed
+        assert speculation and all(speculation), speculation
+
+
+def test_sft_qwen3_with_eval(tmp_path, monkeypatch):
+    make = _sft_factory(
+        tmp_path, "prompt-completion", model="qwen3", with_eval=True, eval_strategy="steps", eval_steps=2
+    )
+    ref, ref_logs, ref_det = _train(make, False, monkeypatch)
+    ours, our_logs, _ = _train(make, True, monkeypatch)
+    _compare(ref_logs, our_logs, SFT_METRICS)
+    ref_eval, our_eval = ([h for h in t.state.log_history if "eval_loss" in h] for t in (ref, ours))
+    assert len(ref_eval) == len(our_eval) >= 1
+    for ref_log, our_log in zip(ref_eval, our_eval, strict=True):
+        for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
+            a, b = ref_log[key], our_log[key]
+            assert abs(b - a) <= RTOL * abs(a) + ATOL, (key, b, a)
+    assert trl_support.fused_calls(ours) == ref_det.trl_kernel  # training micro-batches + eval batches
+
+
+# ---------------------------------------------------------------------------------------------- DPOTrainer
+
+DPO_METRICS = {
+    "loss",
+    "grad_norm",
+    "entropy",
+    "mean_token_accuracy",
+    "num_tokens",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+}
+
+
+def _dpo_factory(tmp_path, with_ref=True, peft_config=None, **config):
+    def make():
+        settings = dict(
+            output_dir=str(tmp_path),
+            max_steps=3,
+            per_device_train_batch_size=4,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            seed=0,
+            learning_rate=5e-3,
+            max_length=48,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            bf16=False,  # TRL defaults to bf16 autocast, also on CPU: the comparison is in fp32
+        )
+        settings.update(config)
+        data = _tiny.text_dataset(n=24, seed=2).select_columns(["prompt", "chosen", "rejected"])
+        # a model built from a config has no hub name to reload as the reference: pass one (or use PEFT)
+        return trl.DPOTrainer(
+            model=_tiny.model("llama"),
+            ref_model=_tiny.model("llama") if with_ref else None,
+            args=trl.DPOConfig(**settings),
+            train_dataset=data,
+            processing_class=_tiny.tokenizer(),
+            peft_config=peft_config,
+        )
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("case", "config"),
+    [
+        ("sigmoid (default)", {}),
+        ("ipo", {"loss_type": ["ipo"]}),
+        ("hinge + sft (two losses)", {"loss_type": ["hinge", "sft"], "loss_weights": [1.0, 0.5]}),
+        ("apo_zero, WPO weighting (log_sum_sq_probs)", {"loss_type": ["apo_zero"], "use_weighting": True}),
+        ("sigmoid_norm, ld_alpha", {"loss_type": ["sigmoid_norm"], "ld_alpha": 0.5}),
+    ],
+)
+def test_dpo_same_loss_and_metrics(case, config, tmp_path, monkeypatch):
+    trainer = _run_both(_dpo_factory(tmp_path, **config), monkeypatch, DPO_METRICS)
+    assert trl_support.fused_calls(trainer) == 3 * 2, case  # a policy and a reference forward per step
+
+
+def test_dpo_precomputed_reference(tmp_path, monkeypatch):
+    # the reference log-probs are computed in __init__ (by TRL's head); the policy's then by fasttrain's
+    factory = _dpo_factory(tmp_path, precompute_ref_log_probs=True)
+    _, ref_logs, _ = _train(factory, False, monkeypatch)
+    trainer, our_logs, det = _train(factory, True, monkeypatch)
+    _compare(ref_logs, our_logs, DPO_METRICS)
+    assert trl_support.fused_calls(trainer) == 3 and det.trl_kernel == 0  # the policy forwards only
+
+
+def test_dpo_peft_reference_is_the_adapter_free_policy(tmp_path, monkeypatch):
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    trainer = _run_both(_dpo_factory(tmp_path, with_ref=False, peft_config=lora), monkeypatch, DPO_METRICS)
+    assert trl_support.fused_calls(trainer) == 3 * 2  # the reference forward runs the same model
+
+
+# ---------------------------------------------------------------------------------------------- reasons
+
+
+def test_reasons_and_disable(tmp_path, monkeypatch):
+    import transformers
+
+    plain = transformers.Trainer(model=_tiny.model("llama"), args=_tiny.training_args(str(tmp_path)))
+    assert "not a TRL SFTTrainer or DPOTrainer" in trl_support.enable_for_trainer(plain)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = _sft_factory(tmp_path)()
+    monkeypatch.setattr(trl, "__version__", "1.15.0")
+    assert "TRL 1.15.0: fasttrain serves TRL's fused LM head for TRL >= 1.16" in trl_support.enable_for_trainer(
+        trainer
+    )
+    monkeypatch.delattr(trl_utils, "add_fused_lm_head")  # as in TRL releases before the fused head
+    assert "has no fused LM head" in trl_support.enable_for_trainer(trainer)
+    monkeypatch.undo()
+    monkeypatch.setitem(trl_support.KERNEL_CHOICE, ("cpu", "sft"), "trl")
+    assert "measured faster" in trl_support.enable_for_trainer(trainer)
+    monkeypatch.undo()
+
+    trl_forward = trainer.model.forward
+    assert trl_support.enable_for_trainer(trainer) is None
+    assert trainer.model.forward is not trl_forward
+    trl_support.disable_for_trainer(trainer)
+    assert trainer.model.forward == trl_forward and trl_support.fused_calls(trainer) == 0
+
+    del trainer.model.forward  # no fused head installed (e.g. an older TRL)
+    assert "no TRL fused LM head" in trl_support.enable_for_trainer(trainer)
+
+
+def test_calls_without_fused_head_keep_trl_forward(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = _sft_factory(tmp_path)()
+    model = trainer.model
+    lm_head_calls = []
+    model.lm_head.register_forward_hook(lambda *_: lm_head_calls.append(1))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        before = model(input_ids=ids, labels=ids)
+        trl_fused = model(input_ids=ids, labels=ids, fused_lm_head=True)
+        assert trl_support.enable_for_trainer(trainer) is None
+        after = model(input_ids=ids, labels=ids)
+        ours = model(input_ids=ids, labels=ids, fused_lm_head=True)
+        generated = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert torch.equal(before.logits, after.logits) and torch.equal(before.loss, after.loss)
+    assert trl_support.fused_calls(trainer) == 1
+    assert (
+        len(lm_head_calls) == 2 + 3
+    )  # the plain calls and generate() use the lm_head module: the detector works
+    assert type(ours) is type(trl_fused)
+    for name in ("loss", "log_probs", "entropy", "is_top1", "label_mask"):
+        a, b = getattr(ours, name), getattr(trl_fused, name)
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6), name
+    assert generated.shape == (1, 8)
+
+
+def test_model_patch_leaves_trl_models_to_trl_support(tmp_path):
+    from fasttrain.loss.model_patch import enable_fused_loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = _sft_factory(tmp_path)()
+    assert "TRL's fused LM head" in enable_fused_loss(trainer.model)
