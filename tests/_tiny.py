@@ -112,6 +112,13 @@ def assert_same_logs(ref: transformers.Trainer, ours: transformers.Trainer, rtol
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rtol), f"grad_norm differs at step {step}"
 
 
+def grouping_args() -> dict:
+    """TrainingArguments settings that ask for length grouping, on this transformers."""
+    if hasattr(transformers.TrainingArguments, "train_sampling_strategy"):
+        return {"train_sampling_strategy": "group_by_length"}
+    return {"group_by_length": True}
+
+
 def all_on_status() -> dict[str, str]:
     """The status of a run with every hot path on and applicable, on this transformers."""
     clip = "on" if FUSED_CLIP else f"off: transformers {transformers.__version__} has no Trainer._clip_grad_norm"

@@ -56,6 +56,8 @@ class _Seam:
         self.trainer = weakref.ref(trainer)
         self.fallbacks: set[str] = set()  # paths the user wanted that could not run
         self.sampler: Any = None  # the Rust sampler we built (weakly referenced by the loader anyway)
+        self.trl = False  # a TRL trainer: its fused LM head is served by fasttrain's kernel
+        self.trl_decided = False
         self.logged = False
 
     def off(self, name: str, reason: str, fallback: bool = True) -> None:
@@ -439,7 +441,17 @@ def _compute_loss_owner(trainer: Any) -> type | None:
     return None if owner is transformers.Trainer else owner
 
 
+def _is_trl_trainer(trainer: Any) -> bool:
+    return any(cls.__module__.split(".")[0] == "trl" for cls in type(trainer).__mro__)
+
+
 def _arm_loss(trainer: Any, seam: _Seam) -> None:
+    if _is_trl_trainer(trainer):
+        # TRL computes its losses and metrics through its fused LM head, which it installs after
+        # Trainer.__init__ returns: serve it from fasttrain's kernel at the first compute_loss
+        seam.trl = True
+        _override(trainer, "compute_loss", _trl_compute_loss)
+        return
     owner = _compute_loss_owner(trainer)
     if owner is not None:
         # A subclass's own compute_loss may read the logits that the fused path never makes.
@@ -455,6 +467,18 @@ def _arm_loss(trainer: Any, seam: _Seam) -> None:
     _override(trainer, "prediction_step", _prediction_step)
 
 
+def _trl_compute_loss(trainer: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    seam = seam_of(trainer)
+    if not seam.trl_decided:
+        seam.trl_decided = True
+        from .loss.trl_support import enable_for_trainer
+
+        reason = enable_for_trainer(trainer)
+        if reason is not None:
+            seam.off("loss", reason)
+    return original(*args, **kwargs)
+
+
 def _enable_fused_loss(seam: _Seam, model: Any) -> Any:
     from .loss.model_patch import enable_fused_loss
 
@@ -467,6 +491,10 @@ def _enable_fused_loss(seam: _Seam, model: Any) -> Any:
 
 
 def _fused_loss_calls(trainer: Any) -> int:
+    if seam_of(trainer).trl:
+        from .loss.trl_support import fused_calls
+
+        return fused_calls(trainer)
     from .loss.model_patch import fused_loss_calls
 
     return fused_loss_calls(trainer.model) if trainer.model is not None else 0
