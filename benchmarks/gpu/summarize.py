@@ -66,6 +66,7 @@ HEADLINES = {
     "trl-dpo": [("bench_dpo_gpu.json", _bench), ("bench_dpo_gpu_smoke.json", _bench)],
     "adamw": [("adamw_gpu.md", None), ("adamw_gpu_smoke.md", None)],
     "loss": [("loss_gpu.md", None), ("loss_gpu_smoke.md", None)],
+    "loss-trl": [("loss_trl_gpu.md", None), ("loss_trl_gpu_smoke.md", None)],
     "environment": [("environment.md", None)],
 }
 
