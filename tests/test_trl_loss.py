@@ -309,6 +309,31 @@ def test_reasons_and_disable(tmp_path, monkeypatch):
     assert "no TRL fused LM head" in trl_support.enable_for_trainer(trainer)
 
 
+def test_head_under_accelerate_autocast_wrapper(tmp_path):
+    # bf16: Accelerator.prepare_model wraps TRL's forward in autocast after TRL installed it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = _sft_factory(tmp_path, bf16=True)()
+    model = trainer.model
+    trl_forward = model.forward
+    trainer.accelerator.prepare_model(model)
+    wrapper = model.forward
+    assert model._original_forward == trl_forward and wrapper != trl_forward
+    assert trl_support.enable_for_trainer(trainer) is None
+    ours = model._original_forward
+    assert getattr(ours.__func__, "_fasttrain_trl_head", False) and trl_support._wraps(model.forward, ours.__func__)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+        inner = ours(input_ids=ids, labels=ids, fused_lm_head=True)  # without the wrapper: fp32 matmul
+    assert trl_support.fused_calls(trainer) == 2 and out.log_probs.dtype == torch.float32
+    # the wrapper's autocast reached the kernel: its matmul ran in bf16, so the values differ from fp32's
+    assert not torch.equal(out.log_probs, inner.log_probs)
+    torch.testing.assert_close(out.log_probs, inner.log_probs, rtol=2e-2, atol=2e-2)
+    trl_support.disable_for_trainer(trainer)
+    assert model.forward == wrapper and model._original_forward == trl_forward
+
+
 def test_calls_without_fused_head_keep_trl_forward(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

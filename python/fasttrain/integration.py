@@ -140,7 +140,11 @@ def _settle(seam: _Seam, optimizer: Any) -> None:
         else:
             seam.off("loss", "no training forward took the fused path (no labels?)")
     if status["collator"] == NOT_RUN:
-        status["collator"] = "on"  # the Trainer's loaders call trainer.data_collator, which is ours
+        # the Trainer's loaders call trainer.data_collator (in worker processes too): ours, if it still is
+        if type(trainer.data_collator).__module__.startswith("fasttrain."):
+            status["collator"] = "on"
+        else:
+            seam.off("collator", "trainer.data_collator was replaced after __init__", fallback=False)
     if status["sampler"] == NOT_RUN:
         if seam.sampler is not None and seam.sampler.iterations_started:
             status["sampler"] = "on"
@@ -209,9 +213,11 @@ def _train_sampler(trainer: Any, original: Callable[..., Any], train_dataset: An
     # from the dataset it was given when it is the same rows, else the token lists' Arrow offsets.
     column = trainer.args.length_column_name
     given = trainer.train_dataset
-    source = given if column in getattr(given, "column_names", ()) and len(given) == len(dataset) else dataset
+    # An empty dataset takes transformers' own decision on the dataset it sees, so that it fails where
+    # transformers' sampler fails (IndexError at construction when that dataset has no length column).
+    source = given if column in getattr(given, "column_names", ()) and len(given) == len(dataset) > 0 else dataset
     if len(source) == 0 and column not in getattr(source, "column_names", ()):
-        lengths = None  # the sampler then fails on the empty dataset as transformers' does (IndexError)
+        lengths = None  # the sampler then raises IndexError at construction, as transformers' does
     else:
         lengths = lengths_from_dataset(source, model_input_name or "input_ids", length_column=column)
     seam.sampler = LengthGroupedSampler(

@@ -8,6 +8,9 @@ and returns a ``FusedCausalLMOutput`` (per-token ``log_probs`` and, as configure
 it (``fused_token_log_probs``: Triton on CUDA, the chunked torch path elsewhere), for the policy model and
 DPO's reference model, instance by instance:
 
+- under mixed precision, Accelerate wraps the model's forward in autocast when the Trainer prepares the
+  model (after TRL installed its head): fasttrain's forward goes in TRL's place under that same wrapper, so
+  both paths run under the autocast the reference runs under;
 - calls without ``fused_lm_head=True`` (generation, ``compute_loss_func``, logits for metrics) go to TRL's
   forward unchanged, and so do calls fasttrain does not serve (MoE router logits, a ZeRO-3 partitioned head);
 - the head's settings (temperature, logit scale, softcap, requested outputs, backbone attribute) are read from
@@ -69,6 +72,8 @@ class _HeadState:
     trl_forward: Any  # the bound forward TRL installed: every call fasttrain does not serve goes there
     settings: dict[str, Any]  # read from TRL's forward (see _CLOSURE_NAMES)
     uniform_grad: bool
+    replaced: dict[str, Any]  # the model's instance attributes fasttrain replaced, to put back on disable
+    installed: Any = None  # the forward fasttrain installed (disable restores only if it is still there)
     active: bool = True
     fused_calls: int = 0
 
@@ -103,15 +108,45 @@ def _trainer_kind(trainer: Any) -> str | None:
     return None
 
 
-def _read_trl_head(model: nn.Module) -> tuple[Any, dict[str, Any]] | str:
-    """(TRL's bound forward, its settings), or why this model's forward is not TRL's known fused head."""
+def _is_trl_head(forward: Any) -> bool:
     import trl.trainer.utils
 
-    forward = model.__dict__.get("forward")
     code = getattr(getattr(forward, "__func__", None), "__code__", None)
     # functools.wraps gave it the class forward's names: recognise TRL's function by its code object
-    if code is None or code.co_name != "_fused_forward" or code.co_filename != trl.trainer.utils.__file__:
-        return f"{type(model).__name__} has no TRL fused LM head (add_fused_lm_head) installed"
+    return code is not None and code.co_name == "_fused_forward" and code.co_filename == trl.trainer.utils.__file__
+
+
+def _wraps(forward: Any, func: Any) -> bool:
+    """Whether ``forward`` is ``func`` under decorators that keep ``__wrapped__`` (Accelerate's, torch's autocast)."""
+    current = getattr(forward, "__func__", forward)
+    for _ in range(16):
+        if current is func:
+            return True
+        current = getattr(current, "__wrapped__", None)
+        if current is None:
+            return False
+    return False
+
+
+def _find_trl_head(model: nn.Module) -> tuple[Any, bool] | str:
+    """(TRL's bound forward, whether Accelerate's mixed-precision wrapper is around it), or why none is found."""
+    forward = model.__dict__.get("forward")
+    if _is_trl_head(forward):
+        return forward, False
+    # Accelerator.prepare_model under fp16/bf16 keeps the forward it wrapped in `_original_forward`
+    original = model.__dict__.get("_original_forward")
+    if _is_trl_head(original) and _wraps(forward, original.__func__):
+        return original, True
+    return f"{type(model).__name__} has no TRL fused LM head (add_fused_lm_head) installed"
+
+
+def _read_trl_head(model: nn.Module) -> tuple[Any, bool, dict[str, Any]] | str:
+    """(TRL's bound forward, whether it is under Accelerate's autocast wrapper, its settings), or why this
+    model's forward is not TRL's known fused head."""
+    found = _find_trl_head(model)
+    if isinstance(found, str):
+        return found
+    forward, wrapped = found
     func = forward.__func__
     cells = dict(zip(func.__code__.co_freevars, func.__closure__ or (), strict=True))
     missing = [name for name in _CLOSURE_NAMES if name not in cells]
@@ -123,7 +158,25 @@ def _read_trl_head(model: nn.Module) -> tuple[Any, dict[str, Any]] | str:
     head = model.get_output_embeddings()
     if not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.dim() != 2:
         return f"{type(model).__name__}'s output layer has no 2-D weight"
-    return forward, settings
+    return forward, wrapped, settings
+
+
+def _install(model: nn.Module, trainer: Any, trl_forward: Any, wrapped: bool, state: _HeadState) -> None:
+    ours = types.MethodType(_make_forward(type(model)), model)
+    state.replaced = {name: model.__dict__[name] for name in ("forward", "_original_forward") if name in model.__dict__}
+    model.__dict__[_STATE_ATTR] = state
+    if not wrapped:
+        model.forward = ours
+    else:
+        # Put ours where TRL's forward was, under the wrapper Accelerator.prepare_model builds (autocast, then
+        # outputs to fp32): the fused path then runs under the autocast TRL's ran under.
+        from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+
+        accelerator = trainer.accelerator
+        autocast = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
+        model._original_forward = ours
+        model.forward = types.MethodType(convert_outputs_to_fp32(autocast(ours.__func__)), model)
+    state.installed = model.__dict__["forward"]
 
 
 def _models(trainer: Any, kind: str) -> list[nn.Module]:
@@ -157,9 +210,8 @@ def enable_for_trainer(trainer: Any) -> str | None:
         if isinstance(found, str):
             return found
         plans.append((model, found))
-    for model, (trl_forward, settings) in plans:  # all or nothing: the status is then true for every model
-        model.__dict__[_STATE_ATTR] = _HeadState(trl_forward, settings, uniform_grad=uniform)
-        model.forward = types.MethodType(_make_forward(type(model)), model)
+    for model, (trl_forward, wrapped, settings) in plans:  # all or nothing: the status is then true for every model
+        _install(model, trainer, trl_forward, wrapped, _HeadState(trl_forward, settings, uniform, replaced={}))
     return None
 
 
@@ -174,10 +226,10 @@ def disable_for_trainer(trainer: Any) -> None:
         state = _state(model)
         if state is None:
             continue
-        if getattr(model.__dict__.get("forward"), "__func__", None) is not None and getattr(
-            model.forward.__func__, "_fasttrain_trl_head", False
-        ):
-            model.forward = state.trl_forward
+        if model.__dict__.get("forward") is state.installed:
+            for name in ("forward", "_original_forward"):
+                model.__dict__.pop(name, None)
+            model.__dict__.update(state.replaced)
             del model.__dict__[_STATE_ATTR]
         else:
             state.active = False
