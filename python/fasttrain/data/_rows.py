@@ -74,6 +74,17 @@ def as_example_list(features: Any) -> list:
     raise HandOver(f"features is a {type(features).__name__}, not a list of examples")
 
 
+def example_mappings(features: Any) -> list:
+    """The batch as a non-empty list of mappings: an empty batch is an error (as in the classes replaced),
+    anything else (a tuple is fine) is handed over to them."""
+    features = as_example_list(features)
+    if not features:
+        raise ValueError("cannot collate an empty batch (no examples)")
+    if not isinstance(features[0], Mapping):
+        raise HandOver(f"examples are {type(features[0]).__name__}, not mappings")
+    return features
+
+
 def round_up(length: int, multiple: Any, setting: str = "pad_to_multiple_of") -> int:
     """``length`` raised to a multiple of ``multiple``, as ``tokenizer._pad`` and TRL's ``pad`` compute it
     (``length + multiple - length % multiple`` when not aligned, with Python's floor arithmetic: a negative

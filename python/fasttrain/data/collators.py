@@ -94,12 +94,8 @@ def _pad(
         raise HandOver(f"return_tensors={return_tensors!r}")
     if not _has_standard_pad(tokenizer):
         raise HandOver(f"{type(tokenizer).__name__} has its own pad()")
-    features = _rows.as_example_list(features)
-    if not features:
-        raise ValueError("cannot collate an empty batch (no examples)")
+    features = _rows.example_mappings(features)
     first = features[0]
-    if not isinstance(first, Mapping):
-        raise HandOver(f"examples are {type(first).__name__}, not mappings")
     main = tokenizer.model_input_names[0]
     if main not in first:
         raise ValueError(
@@ -317,12 +313,8 @@ class DataCollatorForSeq2Seq(hf.DataCollatorForSeq2Seq):
             return super().__call__(features, return_tensors)
 
     def _native_call(self, features: Any, return_tensors: str) -> dict[str, Any]:
-        features = _rows.as_example_list(features)
-        if not features:
-            raise ValueError("cannot collate an empty batch (no examples)")
+        features = _rows.example_mappings(features)
         first = features[0]
-        if not isinstance(first, Mapping):
-            raise HandOver(f"examples are {type(first).__name__}, not mappings")
         label_name = "label" if "label" in first else "labels"
         has_labels = label_name in first and not all(v is None for v in column(features, label_name))
         if not has_labels and label_name == "label" and "labels" in first:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -101,11 +100,7 @@ class DataCollatorForLanguageModeling(trl_sft.DataCollatorForLanguageModeling):
             return super().torch_call(examples)
 
     def _native_call(self, examples: Any) -> dict[str, Any]:
-        examples = _rows.as_example_list(examples)
-        if not examples:
-            raise ValueError("cannot collate an empty batch (no examples)")
-        if not isinstance(examples[0], Mapping):
-            raise HandOver(f"examples are {type(examples[0]).__name__}, not mappings")
+        examples = _rows.example_mappings(examples)
         ids_values = column(examples, "input_ids")
         label_values = [e.get("labels", ids) for e, ids in zip(examples, ids_values, strict=True)]
         seq_values = column(examples, "seq_lengths") if "seq_lengths" in examples[0] else None
@@ -199,11 +194,7 @@ class DataCollatorForPreference(trl_dpo.DataCollatorForPreference):
             return super().torch_call(examples)
 
     def _native_call(self, examples: Any) -> dict[str, Any]:
-        examples = _rows.as_example_list(examples)
-        if not examples:
-            raise ValueError("cannot collate an empty batch (no examples)")
-        if not isinstance(examples[0], Mapping):
-            raise HandOver(f"examples are {type(examples[0]).__name__}, not mappings")
+        examples = _rows.example_mappings(examples)
         keys = ("prompt_ids", "chosen_ids", "rejected_ids")
         values = {key: column(examples, key) for key in keys}
         for key in keys:
