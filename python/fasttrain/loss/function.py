@@ -202,6 +202,19 @@ def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
         torch._assert_async(~bad.any(), f"a label is outside [0, {vocab}) and is not ignore_index")
 
 
+def _check_operand_dtypes(hidden: torch.Tensor, weight: torch.Tensor, bias: Any, labels: Any) -> None:
+    """Checks shared by every entry to the LM-head kernels (shapes of hidden/weight checked by the caller)."""
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != hidden.dtype):
+        raise ValueError(
+            f"bias must have shape ({weight.shape[0]},) and dtype {hidden.dtype}, "
+            f"got {tuple(bias.shape)} {bias.dtype}"
+        )
+    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got {getattr(labels, 'dtype', type(labels))}")
+
+
 def _validate(hidden, weight, bias, labels, reduction, label_smoothing, z_loss, softcap, backend, num_items):
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
         raise TypeError(
@@ -216,15 +229,7 @@ def _validate(hidden, weight, bias, labels, reduction, label_smoothing, z_loss, 
             f"hidden's last dimension ({hidden.shape[-1] if hidden.dim() else None}) must equal weight's "
             f"hidden dimension ({weight.shape[1]}); weight is [vocab, hidden] = {tuple(weight.shape)}"
         )
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
-    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != hidden.dtype):
-        raise ValueError(
-            f"bias must have shape ({weight.shape[0]},) and dtype {hidden.dtype}, "
-            f"got {tuple(bias.shape)} {bias.dtype}"
-        )
-    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor, got {getattr(labels, 'dtype', type(labels))}")
+    _check_operand_dtypes(hidden, weight, bias, labels)
     if labels.numel() != hidden.numel() // hidden.shape[-1]:
         raise ValueError(
             f"labels must have one entry per token: hidden {tuple(hidden.shape)} has "

@@ -30,7 +30,7 @@ import torch
 from .._backend import check_backend, resolve_backend
 from . import token_stats_torch
 from ._matmul import Scratch, addmm_fp32, chunk_logits, has_fp32_addmm
-from .function import _check_labels, default_chunk_rows
+from .function import _check_labels, _check_operand_dtypes, default_chunk_rows
 from .token_stats_torch import HeadTransform
 
 __all__ = ["OPTIONAL_OUTPUTS", "TokenStats", "fused_token_log_probs"]
@@ -212,14 +212,7 @@ def _validate(hidden, weight, bias, labels, temperature, softcap, outputs, backe
             f"weight must be [vocab, {hidden.shape[1]}] (hidden's last dimension), "
             f"got {tuple(getattr(weight, 'shape', ()))}"
         )
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
-    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != hidden.dtype):
-        raise ValueError(
-            f"bias must have shape ({weight.shape[0]},) and dtype {hidden.dtype}, got {tuple(bias.shape)} {bias.dtype}"
-        )
-    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor, got {getattr(labels, 'dtype', type(labels))}")
+    _check_operand_dtypes(hidden, weight, bias, labels)
     if labels.shape != (hidden.shape[0],):
         raise ValueError(
             f"labels must have shape ({hidden.shape[0]},) (one per token), got {tuple(labels.shape)}"
