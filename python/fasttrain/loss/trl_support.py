@@ -72,7 +72,8 @@ class _HeadState:
     trl_forward: Any  # the bound forward TRL installed: every call fasttrain does not serve goes there
     settings: dict[str, Any]  # read from TRL's forward (see _CLOSURE_NAMES)
     uniform_grad: bool
-    replaced: dict[str, Any]  # the model's instance attributes fasttrain replaced, to put back on disable
+    # the model's instance attributes fasttrain replaced, to put back on disable
+    replaced: dict[str, Any] = dataclasses.field(default_factory=dict)
     installed: Any = None  # the forward fasttrain installed (disable restores only if it is still there)
     active: bool = True
     fused_calls: int = 0
@@ -161,7 +162,7 @@ def _read_trl_head(model: nn.Module) -> tuple[Any, bool, dict[str, Any]] | str:
     return forward, wrapped, settings
 
 
-def _install(model: nn.Module, trainer: Any, trl_forward: Any, wrapped: bool, state: _HeadState) -> None:
+def _install(model: nn.Module, trainer: Any, wrapped: bool, state: _HeadState) -> None:
     ours = types.MethodType(_make_forward(type(model)), model)
     state.replaced = {name: model.__dict__[name] for name in ("forward", "_original_forward") if name in model.__dict__}
     model.__dict__[_STATE_ATTR] = state
@@ -211,7 +212,7 @@ def enable_for_trainer(trainer: Any) -> str | None:
             return found
         plans.append((model, found))
     for model, (trl_forward, wrapped, settings) in plans:  # all or nothing: the status is then true for every model
-        _install(model, trainer, trl_forward, wrapped, _HeadState(trl_forward, settings, uniform, replaced={}))
+        _install(model, trainer, wrapped, _HeadState(trl_forward, settings, uniform))
     return None
 
 
