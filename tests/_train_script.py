@@ -92,6 +92,11 @@ def main() -> None:
     }
     Path(a.out, f"result-rank{rank}.json").write_text(json.dumps(result))
     torch.save(trainer.model.state_dict(), Path(a.out, f"final-rank{rank}.pt"))
+    if torch.distributed.is_initialized():
+        # Without this, gloo's worker threads can still hold work when the interpreter shuts down, and a rank
+        # aborts at exit ("terminate called without an active exception", SIGABRT) after training succeeded.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
