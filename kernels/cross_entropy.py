@@ -38,6 +38,14 @@ def _tanh(x):
 
 
 @triton.jit
+def _zero_row(row_ptr, n_cols, cols, BLOCK_V: tl.constexpr):
+    zeros = tl.zeros([BLOCK_V], dtype=tl.float32).to(row_ptr.dtype.element_ty)
+    for start in range(0, n_cols, BLOCK_V):
+        offs = start + cols
+        tl.store(row_ptr + offs, zeros, mask=offs < n_cols)
+
+
+@triton.jit
 def _cross_entropy_chunk_kernel(
     logits_ptr,  # [rows, n_cols] input dtype; overwritten with d loss / d logits when COMPUTE_GRAD
     logits_row_stride,
@@ -66,10 +74,7 @@ def _cross_entropy_chunk_kernel(
         tl.store(loss_ptr + row, 0.0)
         tl.store(lse_ptr + row, 0.0)
         if COMPUTE_GRAD:
-            zeros = tl.zeros([BLOCK_V], dtype=tl.float32).to(logits_ptr.dtype.element_ty)
-            for start in range(0, n_cols, BLOCK_V):
-                offs = start + cols
-                tl.store(row_ptr + offs, zeros, mask=offs < n_cols)
+            _zero_row(row_ptr, n_cols, cols, BLOCK_V)
     else:
         _loss_and_grad_row(
             row_ptr,

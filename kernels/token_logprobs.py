@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cross_entropy import _tanh, pick_block_v
+from .cross_entropy import _tanh, _zero_row, pick_block_v
 
 __all__ = ["token_grad_chunk", "token_stats_chunk"]
 
@@ -71,14 +71,6 @@ def _grad_pass(
         if HAS_SOFTCAP:
             grad = grad * (1.0 - t * t)
         tl.store(row_ptr + offs, grad.to(row_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _zero_row(row_ptr, n_cols, cols, BLOCK_V: tl.constexpr):
-    zeros = tl.zeros([BLOCK_V], dtype=tl.float32).to(row_ptr.dtype.element_ty)
-    for start in range(0, n_cols, BLOCK_V):
-        offs = start + cols
-        tl.store(row_ptr + offs, zeros, mask=offs < n_cols)
 
 
 @triton.jit
