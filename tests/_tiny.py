@@ -156,3 +156,26 @@ def assert_same_updates(ours: torch.nn.Module, ref: torch.nn.Module, init: torch
         if diff > rtol * update or (update == 0 and diff > 0):
             off.append(f"{name}: |ours - ref| = {diff:.3e}, |update| = {update:.3e}, ratio {diff / update:.2e}")
     assert not off, f"parameters off by more than {rtol} of their update:\n" + "\n".join(off)
+
+
+def bench_config(**overrides):
+    """A ``fasttrain bench`` configuration at test size: the tiny model, the default data, CPU, fp32."""
+    from fasttrain.bench.config import BenchConfig
+
+    settings = dict(
+        model="tiny",
+        dataset="default",
+        device="cpu",
+        steps=3,
+        seq_len=32,
+        batch_size=2,
+        grad_accum=1,
+        bf16=False,
+        seed=0,
+        threads=torch.get_num_threads(),
+        learning_rate=1e-3,
+        warmup_steps=1,
+        group_by_length=True,
+    )
+    settings.update(overrides)
+    return BenchConfig(**settings)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
+import _tiny
 from fasttrain.bench import summary, trl_runs, worker
-from fasttrain.bench.config import BenchConfig, Contender
+from fasttrain.bench.config import Contender
 
 pytest.importorskip("trl")
 
@@ -17,26 +17,6 @@ pytest.importorskip("trl")
 RTOL = 1e-4
 ABS_FLOOR = 1e-6
 
-
-def _config(trainer_type: str, **overrides) -> BenchConfig:
-    settings = dict(
-        model="tiny",
-        dataset="default",
-        device="cpu",
-        steps=2,
-        seq_len=32,
-        batch_size=2,
-        grad_accum=1,
-        bf16=False,
-        seed=0,
-        threads=torch.get_num_threads(),
-        learning_rate=1e-3,
-        warmup_steps=1,
-        group_by_length=trainer_type != "dpo",
-        trainer_type=trainer_type,
-    )
-    settings.update(overrides)
-    return BenchConfig(**settings)
 
 
 def test_sft_rows_mask_the_prompt_only():
@@ -94,7 +74,7 @@ def _assert_same_metrics(reference: dict, ours: dict) -> None:
     ],
 )
 def test_plain_and_patched_trl_agree(trainer_type, trl_metrics, unpatched):
-    config = _config(trainer_type)
+    config = _tiny.bench_config(steps=2, group_by_length=trainer_type != "dpo", trainer_type=trainer_type)
     reference = worker.run(config, Contender("reference", "reference"))
     ours = worker.run(config, Contender("fasttrain", "fasttrain"))
     for result in (reference, ours):

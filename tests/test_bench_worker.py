@@ -10,34 +10,15 @@ import sys
 import pytest
 import torch
 
+import _tiny
 from fasttrain.bench import worker
-from fasttrain.bench.config import BenchConfig, Contender, dump
-
-
-def _config(**overrides) -> BenchConfig:
-    settings = dict(
-        model="tiny",
-        dataset="default",
-        device="cpu",
-        steps=3,
-        seq_len=32,
-        batch_size=2,
-        grad_accum=1,
-        bf16=False,
-        seed=0,
-        threads=torch.get_num_threads(),
-        learning_rate=1e-3,
-        warmup_steps=1,
-        group_by_length=True,
-    )
-    settings.update(overrides)
-    return BenchConfig(**settings)
+from fasttrain.bench.config import Contender, dump
 
 
 @pytest.fixture(scope="module")
 def reference_result(tmp_path_factory):
     progress = tmp_path_factory.mktemp("w") / "progress"
-    result = worker.run(_config(), Contender("reference", "reference"), str(progress))
+    result = worker.run(_tiny.bench_config(), Contender("reference", "reference"), str(progress))
     result["progress_lines"] = progress.read_text().split()
     return result
 
@@ -60,16 +41,16 @@ def test_worker_result_schema(reference_result):
 
 
 def test_same_seed_same_losses_and_grad_accum_counts_tokens(reference_result):
-    again = worker.run(_config(), Contender("reference", "reference"))
+    again = worker.run(_tiny.bench_config(), Contender("reference", "reference"))
     assert again["losses"] == reference_result["losses"]  # identical weights, data and order
-    accum = worker.run(_config(grad_accum=2, steps=2), Contender("reference", "reference"))
+    accum = worker.run(_tiny.bench_config(grad_accum=2, steps=2), Contender("reference", "reference"))
     assert all(0 < n <= 2 * 2 * 32 for n in accum["tokens_per_step"])
     assert max(accum["tokens_per_step"]) > 2 * 32  # two micro-batches per optimizer step
 
 
 def test_fasttrain_run_reads_the_ablation_switch(monkeypatch):
     monkeypatch.setenv("FASTTRAIN_DISABLE", "loss")
-    r = worker.run(_config(steps=2), Contender("fasttrain-no-loss", "fasttrain", "loss"))
+    r = worker.run(_tiny.bench_config(steps=2), Contender("fasttrain-no-loss", "fasttrain", "loss"))
     assert r["trainer_class"] == "fasttrain.trainer.Trainer"
     assert r["fasttrain_disable"] == "loss"
     assert r["hot_paths_requested"]["loss"] is False
@@ -85,7 +66,7 @@ def test_worker_main_reports_a_data_error_as_exit_2(tmp_path):
     dump(
         job,
         {
-            "config": _config(dataset=str(bad)).to_json(),
+            "config": _tiny.bench_config(dataset=str(bad)).to_json(),
             "contender": Contender("reference", "reference").to_json(),
             "result_path": str(result),
         },
@@ -155,6 +136,6 @@ def test_local_checkpoint_directory(tmp_path):
     checkpoint = tmp_path / "ckpt"
     models.build_model("tiny", 32, 0, "cpu", torch.float32).save_pretrained(checkpoint)
     r = worker.run(
-        _config(model=str(checkpoint), steps=1, warmup_steps=0), Contender("reference", "reference")
+        _tiny.bench_config(model=str(checkpoint), steps=1, warmup_steps=0), Contender("reference", "reference")
     )
     assert r["steps"] == 1 and r["losses"][0] == pytest.approx(11.93, abs=0.3)
