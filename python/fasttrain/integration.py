@@ -59,6 +59,7 @@ class _Seam:
         self.trl = False  # a TRL trainer: its fused LM head is served by fasttrain's kernel
         self.trl_decided = False
         self.logged = False
+        self.settle_hooked: weakref.ref[Any] | None = None  # the optimizer whose first step settles the status
 
     def off(self, name: str, reason: str, fallback: bool = True) -> None:
         """Record why ``name`` does not run; ``fallback`` when the user asked for it and it could apply."""
@@ -278,11 +279,20 @@ def _fused_adamw_kwargs(trainer: Any, seam: _Seam, model: Any) -> dict[str, Any]
 
 
 def _settle_after_first_step(seam: _Seam, optimizer: torch.optim.Optimizer) -> None:
-    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        handle.remove()
-        _settle(seam, opt)
+    # One hook per optimizer (under DeepSpeed the Trainer calls create_optimizer twice and gets the same one
+    # back). It stays registered and does nothing once settled: removing itself would mutate the optimizer's
+    # hook dict while torch iterates it ("OrderedDict mutated during iteration" as soon as any post-hook
+    # follows ours).
+    hooked = seam.settle_hooked
+    if hooked is not None and hooked() is optimizer:
+        return
 
-    handle = optimizer.register_step_post_hook(hook)
+    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not seam.logged:
+            _settle(seam, opt)
+
+    optimizer.register_step_post_hook(hook)
+    seam.settle_hooked = weakref.ref(optimizer)
 
 
 # FusedAdamW options a user can set without touching the script: `--optim_args "state_dtype=8bit"` (or
