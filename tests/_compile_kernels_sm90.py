@@ -1,84 +1,97 @@
-"""Compile every kernel variant of fasttrain.kernels.adamw and .adamw8bit for an H100/H200 (sm_90) without a GPU.
+"""Compile fasttrain's Triton kernels for an H100/H200 (sm_90) without a GPU: Triton's compiler and ptxas run on CPU.
 
-Run in a process without TRITON_INTERPRET (tests/test_optim_compile.py does): Triton's compiler and
-ptxas run on the CPU. Prints one JSON line per variant with the number of 128-bit global loads.
+    python tests/_compile_kernels_sm90.py [--all] [--jobs N] [--only MODULE.KERNEL]
+
+Every entry point and variant space comes from tests/_kernel_variants.py; first it checks that this list covers
+every ``@triton.jit`` entry point of kernels/ (exit 3 when it does not). Default: the pairwise-covering subset of
+each kernel's variants; ``--all``: every variant (thousands: hours). Prints one JSON line per compiled variant
+(with the number of 128-bit global loads in its PTX) and a last line ``{"done": ...}``; exit 1 if any failed,
+each failure printed with its variant and Triton's error.
+
+Run in a process without TRITON_INTERPRET (tests/test_kernels_compile.py does): the interpreter replaces the
+compiler. ``benchmarks/gpu/run.sh --smoke`` also runs it, in the replica of the GPU machine's versions.
 """
 
 from __future__ import annotations
 
-import itertools
+import argparse
+import concurrent.futures
+import importlib
 import json
 import os
 import re
+import sys
+import time
+import traceback
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import _kernel_variants as V
 
-from fasttrain.kernels import adamw as K
-from fasttrain.kernels import adamw8bit as K8
-
-TARGET = GPUTarget("cuda", 90, 32)
-ADAMW_SIG = {
-    "addr_ptr": "*i64", "numel_ptr": "*i64", "work_tensor_ptr": "*i64", "work_start_ptr": "*i64",
-    "salt_ptr": "*i64", "n_tensors": "i32", "lr": "fp32", "betas_ptr": "*fp64", "eps": "fp32",
-    "weight_decay": "fp32", "clip_ptr": "*fp32", "grad_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "seed": "i32",
-}  # fmt: skip
-ADAMW8_SIG = {**{k: v for k, v in ADAMW_SIG.items() if k != "lr"}, "maps_ptr": "*fp32", "lr": "fp32"}
+SM90 = ("cuda", 90, 32)
 
 
-def compile_one(fn, signature, constexprs):
-    sig = dict(signature)
-    sig.update(dict.fromkeys(constexprs, "constexpr"))
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=TARGET,
-                              options={"num_warps": K.NUM_WARPS})  # fmt: skip
-    ptx = compiled.asm["ptx"]
-    return len(re.findall(r"ld\.global[^\n]*\.v4", ptx))
+def _compile(spec_key: str, variant: dict) -> dict:
+    """Compile one variant in this process; the result row (or the error) as a dict."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    spec = next(s for s in V.KERNELS if s.key == spec_key)
+    module = importlib.import_module(f"fasttrain.kernels.{spec.module}")
+    sig, consts = V.signature(spec, variant)
+    consts.update(spec.fixed(module))
+    sig.update(dict.fromkeys((k for k in consts if k not in sig), "constexpr"))
+    warps = spec.num_warps(variant)
+    if isinstance(warps, str):
+        warps = getattr(module, warps)
+    row = {"kernel": spec_key, **variant}
+    started = time.perf_counter()
+    try:
+        compiled = triton.compile(
+            ASTSource(fn=getattr(module, spec.name), signature=sig, constexprs=consts),
+            target=GPUTarget(*SM90),
+            options={"num_warps": warps},
+        )
+    except Exception as exc:  # the point: report every failing variant with Triton's message
+        row["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
+        row["traceback"] = traceback.format_exc()[-6000:]
+        return row
+    row["v4_loads"] = len(re.findall(r"ld\.global[^\n]*\.v4", compiled.asm["ptx"]))
+    row["seconds"] = round(time.perf_counter() - started, 2)
+    return row
 
 
-def main(quick: bool):
-    # (param kind, moment kind, lr tensor, amsgrad, grad scaler, stochastic rounding)
-    combos = [
-        (p, m, lr, ams, scaled, sr)
-        for p, m, lr, ams, scaled, sr in itertools.product((0, 1, 2), (0, 1, 2, "8bit"), *[(False, True)] * 4)
-        if (m in (0, p, "8bit")) and (not sr or p == 1)
-    ]
-    if quick:  # each dtype and layout once, each flag on once
-        combos = [
-            (0, 0, False, False, False, False), (1, 1, True, True, True, True), (2, 0, False, False, True, False),
-            (1, "8bit", False, False, False, True), (0, "8bit", True, True, True, False),
-        ]  # fmt: skip
-    for p_kind, m_kind, lr_tensor, amsgrad, scaled, sr in combos:
-        eight = m_kind == "8bit"
-        sig = dict(ADAMW8_SIG if eight else ADAMW_SIG)
-        if lr_tensor:
-            sig["lr"] = "*fp32"
-        consts = dict(
-            P_KIND=p_kind, G_KIND=p_kind, ALIGNED=True, LR_IS_TENSOR=lr_tensor, HAS_CLIP=True,
-            HAS_GRAD_SCALE=scaled, HAS_FOUND_INF=scaled, AMSGRAD=amsgrad, MAXIMIZE=amsgrad, SR=sr,
-            USE_LIBDEVICE=True, CHUNK_SIZE=K.CHUNK, BLOCK_SIZE=K.BLOCK,
-        )  # fmt: skip
-        if not eight:
-            consts["M_KIND"] = m_kind
-        v4 = compile_one(K8._adamw8bit_kernel if eight else K._adamw_kernel, sig, consts)
-        flags = {k: consts[k] for k in ("P_KIND", "LR_IS_TENSOR", "AMSGRAD", "HAS_GRAD_SCALE", "SR")}
-        print(json.dumps({"kernel": "adamw8bit" if eight else "adamw", "M_KIND": m_kind, **flags, "v4_loads": v4}),
-              flush=True)  # fmt: skip
-    for g_kind, norm_inf in [(0, False), (1, True)] if quick else itertools.product((0, 1, 2), (False, True)):
-        sig = {"addr_ptr": "*i64", "numel_ptr": "*i64", "work_tensor_ptr": "*i64", "work_start_ptr": "*i64",
-               "partial_ptr": "*fp32"}  # fmt: skip
-        consts = dict(G_KIND=g_kind, ALIGNED=True, NORM_INF=norm_inf, CHUNK_SIZE=K.CHUNK, BLOCK_SIZE=K.BLOCK)
-        v4 = compile_one(K._norm_partial_kernel, sig, consts)
-        print(json.dumps({"kernel": "norm_partial", "G_KIND": g_kind, "NORM_INF": norm_inf, "v4_loads": v4}), flush=True)
-    for norm_inf in (False, True):
-        sig = {"partial_ptr": "*fp32", "first_chunk_ptr": "*i64", "out_ptr": "*fp32"}
-        compile_one(K._norm_per_tensor_kernel, sig, dict(NORM_INF=norm_inf, BLOCK_SIZE=K.BLOCK))
-        print(json.dumps({"kernel": "norm_per_tensor", "NORM_INF": norm_inf}), flush=True)
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all", action="store_true", help="every variant, not the pairwise-covering subset")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compiling processes")
+    parser.add_argument("--only", action="append", default=[], help="MODULE.KERNEL (repeatable)")
+    args = parser.parse_args()
+
+    problems = V.uncovered(V.inventory())
+    if problems:
+        print(
+            "kernels not covered by tests/_kernel_variants.py:\n  " + "\n  ".join(problems), file=sys.stderr
+        )
+        return 3
+    specs = [s for s in V.KERNELS if not args.only or s.key in args.only]
+    jobs = [(s.key, v) for s in specs for v in (V.all_variants(s) if args.all else V.pairwise(s))]
+    failed = 0
+    started = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for row in pool.map(_compile, *zip(*jobs, strict=True)):
+            trace = row.pop("traceback", None)
+            failed += trace is not None
+            print(json.dumps(row), flush=True)
+            if trace is not None:
+                print(f"FAILED {json.dumps(row)}\n{trace}", file=sys.stderr, flush=True)
+    summary = {"done": len(jobs), "failed": failed, "seconds": round(time.perf_counter() - started, 1)}
+    print(json.dumps(summary), flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    import sys
-
-    main(quick="--quick" in sys.argv)
+    sys.exit(main())
