@@ -15,7 +15,8 @@ For parameter lists shaped like GPT-2 124M, Llama-3.2 1B and Llama-2 7B, in fp32
 - bitsandbytes' and torchao's 8-bit AdamW where they import.
 
 For each it records the state bytes per parameter (measured), the bytes a fused step must move per parameter
-(2 x param + grad + 2 x state) and the achieved bandwidth against the measured copy bandwidth. Also: a small
+(2 x param + grad + 2 x state; clipping reads the gradient once more) and, beside each time, the % of the
+roofline reached (``roofline.py``: those bytes over the copy bandwidth measured at the start of the run). Also: a small
 sweep of launch configurations, and correctness on the 124M list (clip + step of each mode against its
 reference: torch for ``default``, the torch backend for the others; per-tensor error relative to the update).
 
@@ -45,6 +46,7 @@ import statistics
 import time
 from pathlib import Path
 
+import roofline
 import torch
 
 from fasttrain import FusedAdamW
@@ -149,16 +151,6 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3
 
 
-def copy_bandwidth(device, timer, smoke) -> float:
-    n = 2**16 if smoke else 2**30  # 4 GiB fp32
-    src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = [timer(lambda: dst.copy_(src)) for _ in range(10)]
-    return 2 * n * 4 / (statistics.median(times) / 1e3)  # bytes/s (read + write)
-
-
 def make_params(shapes, dtype, device):
     ps = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype) * 0.02) for s in shapes]
     for p in ps:
@@ -202,7 +194,17 @@ def _state_bytes_estimate(variant: str, p_bytes: int) -> float:
     return 8.0 if variant.startswith("float32") else 2.0 * p_bytes
 
 
-def bench_model(name, shapes, dtype, device, timer, reps, warmup, peers, deadline):
+def _roofline(med: dict, n: int, p_bytes: int, state_per_param: float, limits, prefix: str = "") -> dict:
+    """% of the hardware limit of the step and of clip + step (the same bytes for every implementation)."""
+    return {
+        kind: roofline.roofline_entry(
+            med[prefix + kind] / 1e3, roofline.adamw_cost(n, p_bytes, p_bytes, state_per_param, clip), limits
+        )
+        for kind, clip in (("step", False), ("clip_step", True))
+    }
+
+
+def bench_model(name, shapes, dtype, device, timer, reps, warmup, peers, deadline, limits):
     n = sum(torch.Size(s).numel() for s in shapes)
     ps = make_params(shapes, dtype, device)
     p_bytes = ps[0].element_size()
@@ -275,6 +277,7 @@ def bench_model(name, shapes, dtype, device, timer, reps, warmup, peers, deadlin
                 "state_vs_torch": sb / ref_state,
                 "bytes_moved_per_param": moved,
                 "bandwidth_step_GBps": moved * n / (med["step"] / 1e3) / 1e9,
+                "roofline": _roofline(med, n, p_bytes, sb / n, limits),
             }
         )
         del opt
@@ -289,6 +292,7 @@ def bench_model(name, shapes, dtype, device, timer, reps, warmup, peers, deadlin
         "reference_state_bytes_per_param": ref_state / n,
         "reference_bytes_moved_per_param": ref_moved,
         "reference_bandwidth_step_GBps": ref_moved * n / (ref_block["ref_step"] / 1e3) / 1e9,
+        "reference_roofline": _roofline(ref_block, n, p_bytes, ref_state / n, limits, prefix="ref_"),
         "variants": rows,
     }
 
@@ -419,18 +423,14 @@ def main() -> None:
 
     check = correctness(device, args.smoke)  # correctness first
     print(json.dumps(check), flush=True)
-    copy_bw = copy_bandwidth(device, timer, args.smoke)
+    limits = roofline.load(Path(args.out), device.type, args.smoke)
     results = []
     for name, make in models.items():
         for dtype in (torch.float32, torch.bfloat16):
             if time.perf_counter() > deadline:
                 break
-            r = bench_model(
-                name, make(), dtype, device, timer, reps, warmup, not (args.smoke or args.no_peers), deadline
-            )
-            for v in r["variants"]:
-                if "bandwidth_step_GBps" in v:
-                    v["fraction_of_copy_bw_step"] = v["bandwidth_step_GBps"] * 1e9 / copy_bw
+            peers = not (args.smoke or args.no_peers)
+            r = bench_model(name, make(), dtype, device, timer, reps, warmup, peers, deadline, limits)
             results.append(r)
             release(device)
             print(json.dumps(r), flush=True)
@@ -451,7 +451,7 @@ def main() -> None:
             "cuda": torch.version.cuda,
         },
         "kernel_config": {"chunk": kernels.CHUNK, "block": kernels.BLOCK, "num_warps": kernels.NUM_WARPS},
-        "copy_bandwidth_GBps": copy_bw / 1e9,
+        "roofline_limits": limits.to_json(),
         "correctness_124M": check,
         "results": results,
         "default_backend_decision": decision(results),
@@ -467,13 +467,18 @@ def main() -> None:
     print(text)
 
 
+def _pct(lim: dict, kind: str) -> str:
+    return roofline.fmt_percent(lim[kind]["percent_of_limit"])
+
+
 def markdown(info) -> str:
     lines = [
         "# AdamW step (+ clipping) on GPU: FusedAdamW modes and backends vs torch fused AdamW",
         "",
         f"- date: {info['date']}; device: {info['device']}; versions: {info['versions']}",
         f"- command: `{info['command']}`",
-        f"- measured copy bandwidth: {info['copy_bandwidth_GBps']:.0f} GB/s; kernel config {info['kernel_config']}",
+        f"- roofline: copy {info['roofline_limits']['copy_bytes_per_s'] / 1e9:,.0f} GB/s (read + write), "
+        f"{info['roofline_limits']['source']}; kernel config {info['kernel_config']}",
         f"- default backend on CUDA by these figures: {info['default_backend_decision']['verdict']} "
         f"(Triton's default mode faster than torch's kernel in {info['default_backend_decision']['triton_faster_in']} "
         "model x dtype cases, clip + step)",
@@ -485,29 +490,33 @@ def markdown(info) -> str:
     lines += [
         "",
         "Speedups are torch fused AdamW's time over the variant's (> 1: the variant is faster); state and moved bytes "
-        "per parameter (moved = 2 x param + grad + 2 x state).",
+        "per parameter (moved = 2 x param + grad + 2 x state). '% lim' beside a time: the least time the hardware "
+        "allows for the bytes the step must move (clip + step: the gradient read once more) over the measured time.",
         "",
-        "| model | dtype | variant | step ms | speedup | clip+step ms | speedup | state B/p | vs torch | moved B/p "
-        "| GB/s | % copy BW | side by side |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| model | dtype | variant | step ms | % lim | speedup | clip+step ms | % lim | speedup | state B/p | vs torch "
+        "| moved B/p | GB/s | side by side |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in info["results"]:
-        ref = r["reference_ms"]
+        ref, ref_lim = r["reference_ms"], r["reference_roofline"]
         lines.append(
-            f"| {r['model']} | {r['dtype']} | torch AdamW(fused) | {ref['ref_step']:.3f} | 1.00x | "
-            f"{ref['ref_clip_step']:.3f} | 1.00x | {r['reference_state_bytes_per_param']:.2f} | 1.00x | "
-            f"{r['reference_bytes_moved_per_param']:.2f} | {r['reference_bandwidth_step_GBps']:.0f} | | |"
+            f"| {r['model']} | {r['dtype']} | torch AdamW(fused) | {ref['ref_step']:.3f} | {_pct(ref_lim, 'step')} | "
+            f"1.00x | {ref['ref_clip_step']:.3f} | {_pct(ref_lim, 'clip_step')} | 1.00x | "
+            f"{r['reference_state_bytes_per_param']:.2f} | 1.00x | {r['reference_bytes_moved_per_param']:.2f} | "
+            f"{r['reference_bandwidth_step_GBps']:.0f} | |"
         )
         for v in r["variants"]:
             if "skipped" in v:
                 lines.append(f"| {r['model']} | {r['dtype']} | {v['variant']} | skipped: {v['skipped']} |")
                 continue
             m = v["median_ms"]
+            lim = v["roofline"]
             lines.append(
-                f"| {r['model']} | {r['dtype']} | {v['variant']} | {m['step']:.3f} | {v['speedup_step']:.2f}x | "
-                f"{m['clip_step']:.3f} | {v['speedup_clip_step']:.2f}x | {v['state_bytes_per_param']:.2f} | "
-                f"{v['state_vs_torch']:.2f}x | {v['bytes_moved_per_param']:.2f} | {v['bandwidth_step_GBps']:.0f} | "
-                f"{100 * v.get('fraction_of_copy_bw_step', 0):.0f}% | {'yes' if v['alternating'] else 'blocks'} |"
+                f"| {r['model']} | {r['dtype']} | {v['variant']} | {m['step']:.3f} | {_pct(lim, 'step')} | "
+                f"{v['speedup_step']:.2f}x | {m['clip_step']:.3f} | {_pct(lim, 'clip_step')} | "
+                f"{v['speedup_clip_step']:.2f}x | {v['state_bytes_per_param']:.2f} | {v['state_vs_torch']:.2f}x | "
+                f"{v['bytes_moved_per_param']:.2f} | {v['bandwidth_step_GBps']:.0f} | "
+                f"{'yes' if v['alternating'] else 'blocks'} |"
             )
     sweep = info["config_sweep_llama1B_fp32_step"]
     lines += ["", "Launch configurations (1B fp32 step, default mode):", ""]

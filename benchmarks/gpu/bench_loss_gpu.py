@@ -24,7 +24,10 @@ is decided by these timings: where ``trl`` is faster than ``fasttrain`` in both 
 
 For each shape (tokens x hidden x vocab): one untimed step per implementation for its peak memory
 (``torch.cuda.max_memory_allocated`` above what the inputs already hold) and its loss, then ``--reps``
-rounds in which every implementation runs one timed step in turn (CUDA events; medians). Sized to
+rounds in which every implementation runs one timed step in turn (CUDA events; medians). Beside each time,
+the % of the roofline reached (``roofline.py``: 6 N H V FLOPs forward + backward, N the scored tokens (the
+only ones that need the head), over the matmul throughput measured at the start of the run; or the bytes the step must
+move over the copy bandwidth, whichever takes longer). Sized to
 finish in under 4 minutes on one H200; a time budget skips what is left if it would not.
 
     python benchmarks/gpu/bench_loss_gpu.py --out benchmarks/results/
@@ -55,6 +58,7 @@ if "--smoke" in sys.argv and os.environ.get("TRITON_INTERPRET") is None:
     except ImportError:  # pragma: no cover
         pass
 
+import roofline
 import torch
 
 IMPLS = ("torch", "torch_compile", "liger", "cce", "fasttrain")
@@ -190,7 +194,8 @@ class Timer:
         return time.perf_counter() - t0
 
 
-def run_shape(tokens, hidden_size, vocab, impls, fns, device, reps, deadline, check=None):
+def run_shape(tokens, hidden_size, vocab, impls, fns, device, reps, deadline, check=None, roof=None):
+    """``roof``: (cost of one step, hardware limits) for the % of the roofline beside each time."""
     g = torch.Generator(device="cpu").manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, generator=g).to(device, torch.bfloat16).requires_grad_()
     weight = (torch.randn(vocab, hidden_size, generator=g) * hidden_size**-0.5).to(device, torch.bfloat16)
@@ -248,6 +253,9 @@ def run_shape(tokens, hidden_size, vocab, impls, fns, device, reps, deadline, ch
         times = out[impl].pop("times")
         out[impl]["time_ms"] = statistics.median(times) * 1e3 if times else None
         out[impl]["reps"] = len(times)
+        if roof is not None:
+            seconds = None if out[impl]["time_ms"] is None else out[impl]["time_ms"] / 1e3
+            out[impl]["roofline"] = roofline.roofline_entry(seconds, *roof)
     hidden.grad = weight.grad = None  # the inputs go with this frame
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -296,6 +304,7 @@ def main() -> None:
     backend = "triton" if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     cases = ("sft", "dpo") if args.trl else ("cross_entropy",)
+    limits = roofline.load(args.out, device.type, args.smoke)
     deadline = time.monotonic() + args.budget_s
     shapes = [(int(t), int(v)) for v in args.vocabs.split(",") for t in args.tokens.split(",")]
     results = []
@@ -317,8 +326,13 @@ def main() -> None:
             check = None
             if args.trl and n == 0 and not isinstance(fns.get("trl"), str):
                 check = lambda h, w, y, case=case: check_trl(case, backend, h, w, y)  # noqa: E731
+            # run_shape ignores every 7th label: only the scored tokens need the head (TRL's path gathers them)
+            head_tokens = tokens - len(range(0, tokens, 7))
+            roof = (roofline.linear_loss_cost(head_tokens, args.hidden, vocab), limits)
             try:
-                res = run_shape(tokens, args.hidden, vocab, impls, fns, device, args.reps, deadline, check)
+                res = run_shape(
+                    tokens, args.hidden, vocab, impls, fns, device, args.reps, deadline, check, roof
+                )
             except Exception:
                 res = {"error": traceback.format_exc()[-500:]}
             results.append(
@@ -338,12 +352,24 @@ def main() -> None:
             "smoke": args.smoke,
             "trl": args.trl,
         },
+        "roofline_limits": limits.to_json(),
         "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(record, indent=2) + "\n")
     (args.out / f"{args.name}.md").write_text(markdown(record, impls))
     print(markdown(record, impls))
+
+
+def _roofline_note(record: dict) -> list[str]:
+    limits = record.get("roofline_limits")
+    if not limits:
+        return []
+    return [
+        "- '% lim': the least time the hardware allows over the measured time (6 N H V FLOPs at "
+        f"{limits['matmul_flops_per_s'] / 1e12:,.3g} TFLOP/s, or the bytes the step must move at "
+        f"{limits['copy_bytes_per_s'] / 1e9:,.0f} GB/s, whichever is longer); {limits['source']}"
+    ]
 
 
 def markdown(record: dict, impls: list[str]) -> str:
@@ -357,6 +383,7 @@ def markdown(record: dict, impls: list[str]) -> str:
         f"- command: `{record['command']}`",
         "- method: per shape, one untimed step per implementation for peak memory (max_memory_allocated above "
         f"the inputs), then {record['settings']['reps']} alternating rounds of timed steps; medians.",
+        *_roofline_note(record),
         "",
         "| case | tokens | vocab | " + " | ".join(impls) + " |",
         "| --- | ---: | ---: | " + " | ".join("---:" for _ in impls) + " |",
@@ -369,6 +396,8 @@ def markdown(record: dict, impls: list[str]) -> str:
             if "time_ms" in x:
                 mem = "" if x["peak_gib"] is None else f", {x['peak_gib']:.2f} GiB"
                 t = "n/a" if x["time_ms"] is None else f"{x['time_ms']:.1f} ms"
+                if "roofline" in x:
+                    t += f" ({roofline.fmt_percent(x['roofline']['percent_of_limit'])} lim)"
                 cells.append(t + mem)
             else:
                 cells.append(x.get("skipped") or (x.get("error", "error")[:40]))

@@ -5,6 +5,8 @@
 # benchmarks/gpu/README.md). A step that fails or hits its cap is recorded and the rest still run.
 #
 #   bash benchmarks/gpu/run.sh [--out DIR] [--smoke] [--archive FILE.tar.gz] [--wheels DIR]
+#                              [--only STEP,...] [--skip STEP,...]
+#   bash benchmarks/gpu/run.sh --budget [--smoke]
 #
 #   --out DIR        results, logs, versions and commands (default: benchmarks/results/gpu)
 #   --smoke          the same steps on CPU at tiny sizes (Triton in its interpreter): proves the run goes through
@@ -12,9 +14,16 @@
 #                    one under $OUT, and what finished is there even if the call is cut short)
 #   --wheels DIR     the carried wheels (default: .whl); installed with pip --no-index --no-deps into their own
 #                    folder first on PYTHONPATH. Without it, the current environment is used as it is.
+#   --only STEPS     run only these steps (comma list; install, when there are wheels, and summary always run);
+#                    DIR keeps the other steps' lines and results, so a rerun of failed steps completes a run
+#   --skip STEPS     run every step but these. An unknown step name fails at once, listing the valid ones.
+#   --budget         print the caps of the steps that would run, plus the kill grace, and their sum; fail if the
+#                    sum passes 8 minutes (GPU caps); runs nothing
 #
 # Steps: install (the carried wheels), environment (GPU, versions, origins; fails if fasttrain, trl, ... do not
-# import), kernels (pytest of .ci/suites' KERNEL_TESTS, compiled for the GPU),
+# import), hardware (the copy bandwidth and matmul throughput the rooflines divide by), compile (--smoke only:
+# every kernel compiled for sm_90 by this Python's Triton, the GPU machine's in CI's replica), kernels (pytest
+# of .ci/suites' KERNEL_TESTS, compiled for the GPU),
 # parity (fasttrain.Trainer vs transformers.Trainer, fp32 and bf16), adamw and loss (the kernel benchmarks),
 # e2e (`fasttrain bench --device cuda`), trl-sft and trl-dpo (`fasttrain bench --trainer sft|dpo`), summary.
 # DIR/steps.tsv has one line per step; DIR/logs/STEP.log its output; DIR/commands.txt every command run;
@@ -26,6 +35,11 @@ out=benchmarks/results/gpu
 smoke=0
 archive=
 wheels=.whl
+only=
+skip=
+only_given=0
+skip_given=0
+budget=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) out="$2"; shift 2 ;;
@@ -35,10 +49,78 @@ while [ $# -gt 0 ]; do
         --archive=*) archive="${1#--archive=}"; shift ;;
         --wheels) wheels="$2"; shift 2 ;;
         --wheels=*) wheels="${1#--wheels=}"; shift ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
-        *) echo "run.sh: unknown option $1 (use --out DIR, --smoke, --archive FILE, --wheels DIR)" >&2; exit 2 ;;
+        --only) only="${2-}"; only_given=1; shift; [ $# -gt 0 ] && shift ;;
+        --only=*) only="${1#--only=}"; only_given=1; shift ;;
+        --skip) skip="${2-}"; skip_given=1; shift; [ $# -gt 0 ] && shift ;;
+        --skip=*) skip="${1#--skip=}"; skip_given=1; shift ;;
+        --budget) budget=1; shift ;;
+        -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+        *) echo "run.sh: unknown option $1 (use --out DIR, --smoke, --archive FILE, --wheels DIR, --only STEPS," \
+               "--skip STEPS, --budget)" >&2; exit 2 ;;
     esac
 done
+
+# The steps in the order they run. compile checks on CPU what the GPU's kernels step does for real.
+if [ "$smoke" = 1 ]; then
+    steps=(install environment hardware compile kernels parity adamw loss loss-trl e2e trl-sft trl-dpo summary)
+else
+    steps=(install environment hardware kernels parity adamw loss loss-trl e2e trl-sft trl-dpo summary)
+fi
+# Time caps in seconds, GPU run then --smoke (2 shared CPU cores, the interpreter). Each capped step gets
+# kill_grace more seconds to exit after SIGTERM before SIGKILL. The GPU caps plus the graces add up to at most
+# 480 s (--budget checks it, and tests/test_gpu_run_options.py runs that check in CI), which leaves the
+# machine's start-up and a rerun of failed steps (--only) inside the 15 minutes of device time.
+# benchmarks/gpu/README.md explains each cap. The benchmark scripts get their own, shorter budgets below so
+# they write their results before the cap.
+kill_grace=5
+max_total=480
+declare -A cap_gpu=([install]=10 [environment]=10 [hardware]=10 [kernels]=85 [parity]=35 [adamw]=45 [loss]=40
+                    [loss-trl]=35 [e2e]=80 [trl-sft]=30 [trl-dpo]=30 [summary]=5)
+declare -A cap_smoke=([install]=60 [environment]=120 [hardware]=60 [compile]=600 [kernels]=900 [parity]=300
+                      [adamw]=300 [loss]=300 [loss-trl]=300 [e2e]=400 [trl-sft]=300 [trl-dpo]=300 [summary]=60)
+
+# --only / --skip: comma lists of step names, checked before anything runs
+declare -A selected=()
+check_names() {  # check_names OPTION LIST: every name in LIST is a step, else exit 2 naming the valid ones
+    local option=$1 name known
+    local -a names
+    IFS=, read -r -a names <<< "$2"
+    [ "${#names[@]}" -gt 0 ] || { echo "run.sh: $option needs STEP,...; valid steps: $(IFS=,; echo "${steps[*]}")" >&2; exit 2; }
+    for name in "${names[@]}"; do
+        known=0
+        for step_name in "${steps[@]}"; do [ "$name" = "$step_name" ] && known=1; done
+        if [ "$known" = 0 ]; then
+            echo "run.sh: $option: unknown step '$name'; valid steps: $(IFS=,; echo "${steps[*]}")" >&2
+            exit 2
+        fi
+    done
+}
+for name in "${steps[@]}"; do selected[$name]=1; done
+if [ "$only_given" = 1 ]; then
+    check_names --only "$only"
+    for name in "${steps[@]}"; do selected[$name]=0; done
+    IFS=, read -r -a names <<< "$only"
+    for name in "${names[@]}" install summary; do selected[$name]=1; done
+fi
+if [ "$skip_given" = 1 ]; then
+    check_names --skip "$skip"
+    IFS=, read -r -a names <<< "$skip"
+    for name in "${names[@]}"; do selected[$name]=0; done
+fi
+
+if [ "$budget" = 1 ]; then
+    total=0
+    for name in "${steps[@]}"; do
+        [ "${selected[$name]}" = 1 ] || continue
+        if [ "$smoke" = 1 ]; then cap=${cap_smoke[$name]-}; else cap=${cap_gpu[$name]-}; fi
+        [ -n "$cap" ] || { echo "run.sh: step $name has no cap" >&2; exit 1; }
+        total=$(( total + cap + kill_grace ))
+        printf '%-12s %4d s + %d s grace\n' "$name" "$cap" "$kill_grace"
+    done
+    printf 'total        %4d s (limit %d s)\n' "$total" "$max_total"
+    [ "$smoke" = 1 ] || [ "$total" -le "$max_total" ] || { echo "run.sh: the caps pass $max_total s" >&2; exit 1; }
+    exit 0
+fi
 
 python=${PYTHON:-python3}
 export PYTHON=$python HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
@@ -46,12 +128,6 @@ site=${FASTTRAIN_SITE:-${TMPDIR:-/tmp}/fasttrain-gpu-site}
 source .ci/suites
 listing=$(suite KERNEL_TESTS) || { echo "[gpu] KERNEL_TESTS names a missing file" >&2; exit 2; }
 mapfile -t kernel_tests <<< "$listing"
-
-# Time caps in seconds, GPU run then --smoke (2 shared CPU cores, the interpreter). The GPU caps add up to
-# 470 s; benchmarks/gpu/README.md explains each. The benchmark scripts get their own, shorter budgets below so
-# they write their results before the cap.
-declare -A cap_gpu=([install]=10 [environment]=10 [kernels]=100 [parity]=40 [adamw]=50 [loss]=45 [loss-trl]=40 [e2e]=95 [trl-sft]=35 [trl-dpo]=35 [summary]=10)
-declare -A cap_smoke=([install]=60 [environment]=120 [kernels]=900 [parity]=300 [adamw]=300 [loss]=300 [loss-trl]=300 [e2e]=400 [trl-sft]=300 [trl-dpo]=300 [summary]=60)
 
 if [ "$smoke" = 1 ]; then
     export TRITON_INTERPRET=1
@@ -65,14 +141,21 @@ else
     # Compiled on the GPU, the slow-marked shapes (vocabulary over 65,536, ...) are quick: run them.
     kernel_markers="not distributed"
     # The kernel benchmarks' own sizes, trimmed to their caps (their scripts say what each option does).
-    adamw_args=(--models "gpt2-124M,llama3.2-1B" --reps 10 --time-cap 38)
-    loss_args=(--tokens "8192,16384" --budget-s 32)
-    loss_trl_args=(--tokens "8192" --budget-s 28)
+    adamw_args=(--models "gpt2-124M,llama3.2-1B" --reps 10 --time-cap 33)
+    loss_args=(--tokens "8192,16384" --budget-s 28)
+    loss_trl_args=(--tokens "8192" --budget-s 23)
 fi
 
 mkdir -p "$out/logs"
-: > "$out/steps.tsv"
-: > "$out/commands.txt"
+if [ "$only_given$skip_given" != 00 ] && [ -f "$out/steps.tsv" ]; then
+    # a partial run (a rerun of failed steps, say): keep the lines of the steps it does not run
+    kept=$(awk -F'\t' -v run="$(for n in "${steps[@]}"; do [ "${selected[$n]}" = 1 ] && printf '%s,' "$n"; done)" \
+        'BEGIN { split(run, r, ","); for (i in r) want[r[i]] = 1 } !($1 in want)' "$out/steps.tsv")
+    printf '%s' "${kept:+$kept$'\n'}" > "$out/steps.tsv"
+else
+    : > "$out/steps.tsv"
+    : > "$out/commands.txt"
+fi
 started=$(date +%s)
 failed=0
 
@@ -83,15 +166,17 @@ pack() {
 }
 
 # step NAME COMMAND...: run COMMAND under NAME's cap, log it, record status and time; never stop the run.
+# A step --only/--skip leaves out is not run and leaves no line.
 step() {
     local name=$1; shift
+    [ "${selected[$name]}" = 1 ] || return 0
     local cap
     if [ "$smoke" = 1 ]; then cap=${cap_smoke[$name]}; else cap=${cap_gpu[$name]}; fi
     local log=$out/logs/$name.log t0 rc status
     printf '%s\t%s\n' "$name" "$*" >> "$out/commands.txt"
     echo "[run.sh] $name (cap ${cap}s): $*" >&2
     t0=$(date +%s)
-    timeout -k 10 "$cap" "$@" > "$log" 2>&1
+    timeout -k "$kill_grace" "$cap" "$@" > "$log" 2>&1
     rc=$?
     case $rc in
         0) status=ok ;;
@@ -115,6 +200,11 @@ else
     echo "[run.sh] no $wheels: using the current environment as it is" >&2
 fi
 step environment "$python" benchmarks/gpu/environment.py --out "$out" "${site_args[@]}" "${smoke_flag[@]}"
+step hardware "$python" benchmarks/gpu/roofline.py --out "$out" "${smoke_flag[@]}"
+if [ "$smoke" = 1 ]; then
+    # the GPU machine's Triton (in CI's replica) compiles every kernel for sm_90: its errors show here
+    step compile env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 "$python" tests/_compile_kernels_sm90.py
+fi
 xdist=()
 if [ "$smoke" = 0 ] && "$python" -c "import xdist" 2>/dev/null; then
     xdist=(-n 4)  # kernel compilation dominates: compile on four cores at once
