@@ -1,0 +1,182 @@
+"""Comparisons anchored to a float64 run (the truth), for Trainer- and TRL-level parity tests.
+
+Two float32 runs that sum in different orders differ by rounding, and how much depends on the CPU (its vector
+width, its thread count). A fixed bound between fasttrain and the reference therefore fails on some machine
+while both are equally exact. Here the reference is run a second time with its model in float64 and fasttrain
+off, and fasttrain must be about as close to that truth as the reference is:
+
+    |ours - truth| <= k * |reference - truth| + floor * |truth|
+
+``k`` says how much less exact than the reference fasttrain may be; the floor (relative to the truth's own
+magnitude) covers rounding that no order of summation avoids, for when the reference lands on the truth by luck.
+Both are written below with their reason, from the dtype alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+import transformers
+from transformers.loss.loss_utils import ForCausalLMLoss, fixed_cross_entropy
+
+EPS32 = torch.finfo(torch.float32).eps  # 2**-23
+EPS_BF16 = torch.finfo(torch.bfloat16).eps  # 2**-7
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """``|ours - truth| <= k * |reference - truth| + floor * |truth|``."""
+
+    k: float
+    floor: float
+
+    def limit(self, ref_err: float, scale: float) -> float:
+        return self.k * ref_err + self.floor * scale
+
+
+# k = 2 everywhere: fasttrain rounds in another order than the reference (chunked loss, fused optimizer), so its
+# distance to the truth is another draw of the same size; twice the reference's leaves room for the draw and
+# still fails an error of the reference's own size added on top of it (a wrong scale, step or gradient).
+K = 2.0
+# Per logged step, float32 runs: the logged loss is accumulated in a float32 tensor by the Trainer (also for a
+# float64 model) and grad_norm is a float32 reduction: each is exact only to a few units in its last place.
+FP32_STEP = Bound(k=K, floor=8 * EPS32)
+# Whole tensors (parameters after training, gradients), float32: every stored element is rounded to float32,
+# a relative half-unit each; the norm of that rounding is at most EPS32 / 2 of the tensor's norm per rounding,
+# and a parameter is rounded once per step: a few units of EPS32 of its norm.
+FP32_TENSOR = Bound(k=K, floor=8 * EPS32)
+# bf16 autocast: the matmuls round their inputs to 8 bits of mantissa; two orders of summation of bf16
+# products can each be a few bf16 units away from the truth.
+BF16_STEP = Bound(k=K, floor=4 * EPS_BF16)
+
+
+def _record(line: str) -> None:
+    """With TRUTH_REPORT=<file>, every comparison appends its distances there (to see how much room a bound has)."""
+    path = os.environ.get("TRUTH_REPORT")
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+        with open(path, "a") as f:
+            f.write(f"{test} | {line}\n")
+
+
+def float64_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+                           shift_labels=None, **kwargs):
+    """transformers' ``ForCausalLMLoss`` without its ``logits.float()``: that cast would round the truth's logits
+    to float32 and hide the reference's own loss rounding."""
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
+    logits = logits.view(-1, vocab_size)
+    return fixed_cross_entropy(logits, shift_labels.view(-1).to(logits.device), num_items_in_batch, ignore_index,
+                               **kwargs)
+
+
+def float64_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """The same weights in float64 (a copy: the float32 model stays as it is), its causal-LM loss in float64 too."""
+    twin = copy.deepcopy(model).to(torch.float64)
+    for module in twin.modules():  # the causal LM itself, also inside a PEFT wrapper
+        if isinstance(module, transformers.GenerationMixin) and module.loss_function is ForCausalLMLoss:
+            module.loss_function = float64_causal_lm_loss
+    return twin
+
+
+def step_logs(run) -> list[dict]:
+    """The per-step log entries of a Trainer (entries with a loss), or a list of them as they are."""
+    if isinstance(run, transformers.Trainer):
+        return [h for h in run.state.log_history if "loss" in h]
+    return list(run)
+
+
+def _near(ours: float, ref: float, truth: float, bound: Bound, abs_floor: float = 0.0) -> tuple[bool, str]:
+    ref_err, our_err = abs(ref - truth), abs(ours - truth)
+    limit = bound.limit(ref_err, abs(truth)) + abs_floor
+    text = f"ours {ours!r}, reference {ref!r}, float64 {truth!r}: |ours - f64| = {our_err:.3e}, " \
+           f"|ref - f64| = {ref_err:.3e}, limit {limit:.3e}"
+    return our_err <= limit, text
+
+
+def assert_scalar_near_truth(what: str, ours: float, ref: float, truth: float, bound: Bound,
+                             abs_floor: float = 0.0) -> None:
+    ok, text = _near(ours, ref, truth, bound, abs_floor)
+    _record(f"{what}: {text}")
+    assert ok, f"{what}: {text}"
+
+
+def assert_logs_near_truth(ours, ref, truth, bound: Bound = FP32_STEP, keys: Iterable[str] | None = None,
+                           skip: Iterable[str] = (), abs_floor: dict[str, float] | None = None) -> None:
+    """Every float the three runs log at each step (or only ``keys``): ours within ``bound`` of the truth.
+
+    Keys whose value is not a finite float (counts, a learning rate equal in all three, NaN) must be equal."""
+    ours_logs, ref_logs, truth_logs = step_logs(ours), step_logs(ref), step_logs(truth)
+    assert len(ours_logs) == len(ref_logs) == len(truth_logs) > 0, (len(ours_logs), len(ref_logs), len(truth_logs))
+    skip, abs_floor = set(skip), abs_floor or {}
+    for step, (b, a, t) in enumerate(zip(ours_logs, ref_logs, truth_logs, strict=True), start=1):
+        assert a.keys() == b.keys() == t.keys(), (step, sorted(a), sorted(b), sorted(t))
+        for key in (t.keys() if keys is None else keys):
+            if key in skip:
+                continue
+            if isinstance(t[key], float) and math.isfinite(t[key]):
+                assert_scalar_near_truth(f"step {step} {key}", b[key], a[key], t[key], bound, abs_floor.get(key, 0.0))
+            else:
+                assert b[key] == a[key] == t[key] or (b[key] != b[key] and a[key] != a[key]), (step, key, b[key], a[key])
+
+
+def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.detach().double()).norm())
+
+
+def assert_tensors_near_truth(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+                              truth: dict[str, torch.Tensor], bound: Bound = FP32_TENSOR, what: str = "tensor") -> None:
+    """Per named tensor, as norms: ``|ours - truth| <= k |ref - truth| + floor |truth|``.
+
+    Whole tensors, not elements: Adam normalises every update, so an element whose gradient is near zero can take
+    an update-sized rounding difference in either run; the norm over the tensor is what rounding keeps small."""
+    assert ours.keys() == ref.keys() == truth.keys()
+    off = []
+    for name, t in truth.items():
+        if t is None:
+            assert ours[name] is None and ref[name] is None, name
+            continue
+        ref_err, our_err = _distance(ref[name], t), _distance(ours[name], t)
+        limit = bound.limit(ref_err, float(t.detach().double().norm()))
+        _record(f"{what} {name}: |ours - f64| = {our_err:.3e}, |ref - f64| = {ref_err:.3e}, limit {limit:.3e}")
+        if not our_err <= limit:
+            off.append(f"{name}: |ours - f64| = {our_err:.3e}, |ref - f64| = {ref_err:.3e}, limit {limit:.3e}")
+    assert not off, f"{what}s farther from float64 than the reference allows:\n" + "\n".join(off)
+
+
+def assert_params_near_truth(ours: torch.nn.Module, ref: torch.nn.Module, truth: torch.nn.Module,
+                             bound: Bound = FP32_TENSOR) -> None:
+    """The trained parameters, tensor by tensor (see ``assert_tensors_near_truth``)."""
+    assert_tensors_near_truth(dict(ours.named_parameters()), dict(ref.named_parameters()),
+                              dict(truth.named_parameters()), bound, "parameter")
+
+
+def assert_grads_near_truth(ours: torch.nn.Module, ref: torch.nn.Module, truth: torch.nn.Module,
+                            bound: Bound = FP32_TENSOR) -> None:
+    """The gradients after one backward, tensor by tensor (see ``assert_tensors_near_truth``)."""
+
+    def grads(model):
+        return {name: p.grad for name, p in model.named_parameters()}
+
+    assert_tensors_near_truth(grads(ours), grads(ref), grads(truth), bound, "gradient")
+
+
+def assert_values_near_truth(what: str, ours: Sequence[float], ref: Sequence[float], truth: Sequence[float],
+                             bound: Bound) -> list[bool]:
+    """Per-item values (DPO's per-example reward margins), each within ``bound`` of the truth. Returns, per item,
+    whether the truth is farther from zero than that bound: there ours has the truth's sign (it is within the bound
+    of it), so a 0/1 metric thresholding the value at zero must agree with the truth's; elsewhere the sign is within
+    rounding and the metric may go either way in any float32 run, the reference's included."""
+    assert len(ours) == len(ref) == len(truth) > 0, (len(ours), len(ref), len(truth))
+    decided = []
+    for i, (b, a, t) in enumerate(zip(ours, ref, truth, strict=True)):
+        ok, text = _near(b, a, t, bound)
+        _record(f"{what}[{i}]: {text}")
+        assert ok, f"{what}[{i}]: {text}"
+        decided.append(abs(t) > bound.limit(abs(a - t), abs(t)))
+    return decided
