@@ -1,4 +1,9 @@
-"""Float64 reference for fused_linear_cross_entropy and the comparison helpers the loss tests share."""
+"""References for fused_linear_cross_entropy and the helpers the loss tests share.
+
+``reference_loss`` is the op fasttrain replaces, written out with materialised logits: ``F.linear`` in the
+inputs' dtype, the logits upcast to fp32 as ``ForCausalLMLoss`` does, then ``F.cross_entropy``. Given float64
+inputs it is the truth; given the inputs ours gets, it is the same-dtype reference (tests/_truth_ops.py).
+"""
 
 from __future__ import annotations
 
@@ -19,10 +24,10 @@ def reference_loss(
     reduction="mean",
     num_items_in_batch=None,
 ):
-    """Materialised logits in float64; the DESIGN.md contract (an empty mean is NaN, as in torch)."""
-    logits = hidden.double().reshape(-1, hidden.shape[-1]) @ weight.double().t()
-    if bias is not None:
-        logits = logits + bias.double()
+    """Materialised logits; the DESIGN.md contract (an empty mean is NaN, as in torch)."""
+    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight, bias)
+    if logits.dtype != torch.float64:
+        logits = logits.float()  # ForCausalLMLoss upcasts the model's logits before the loss
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     flat = labels.reshape(-1)
@@ -38,6 +43,11 @@ def reference_loss(
         return per_token.sum()
     denominator = valid.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
     return per_token.sum() / denominator
+
+
+def as_truth(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The exact value ours was given, in float64, as a leaf that records its gradient."""
+    return None if t is None else t.detach().double().clone().requires_grad_()
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -67,14 +77,18 @@ def make_inputs(n, h, v, *, dtype=torch.float32, ignore_frac=0.0, bias=False, se
 def run_both(
     n, h, v, opts, *, dtype, backend, reduction, ignore_frac=0.0, bias=False, chunk_rows=None, seed=0
 ):
-    """(ours, ref) pairs for the loss and every gradient, with a random upstream gradient."""
+    """(name, ours, reference, truth) for the loss and every gradient, with a random upstream gradient.
+
+    The reference is ``reference_loss`` on the inputs ours gets (torch's ops in ``dtype``), the truth the same
+    in float64 on those exact values (the upstream gradient too)."""
     from fasttrain.loss import fused_linear_cross_entropy
 
     (hidden, weight, b), labels = make_inputs(
         n, h, v, dtype=dtype, ignore_frac=ignore_frac, bias=bias, seed=seed
     )
     ours_in = [t.clone().requires_grad_() if t is not None else None for t in (hidden, weight, b)]
-    ref_in = [t.double().clone().requires_grad_() if t is not None else None for t in (hidden, weight, b)]
+    ref_in = [t.clone().requires_grad_() if t is not None else None for t in (hidden, weight, b)]
+    truth_in = [as_truth(t) for t in (hidden, weight, b)]
     ours = fused_linear_cross_entropy(
         ours_in[0],
         ours_in[1],
@@ -86,14 +100,16 @@ def run_both(
         **opts,
     )
     ref = reference_loss(ref_in[0], ref_in[1], labels, ref_in[2], reduction=reduction, **opts)
+    truth = reference_loss(truth_in[0], truth_in[1], labels, truth_in[2], reduction=reduction, **opts)
     upstream = (
-        torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64) + 0.5
-    )
-    (ours * upstream.to(ours.dtype)).sum().backward()
-    (ref * upstream).sum().backward()
-    pairs = [("loss", ours.detach(), ref.detach())]
-    for name, o, r in zip(("hidden", "weight", "bias"), ours_in, ref_in, strict=True):
+        torch.randn(truth.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64) + 0.5
+    ).to(ours.dtype)
+    (ours * upstream).sum().backward()
+    (ref * upstream.to(ref.dtype)).sum().backward()
+    (truth * upstream.double()).sum().backward()
+    out = [("loss", ours.detach(), ref.detach(), truth.detach())]
+    for name, o, r, t in zip(("hidden", "weight", "bias"), ours_in, ref_in, truth_in, strict=True):
         if o is not None:
             assert o.grad is not None and o.grad.dtype == o.dtype, name
-            pairs.append((f"grad_{name}", o.grad, r.grad))
-    return pairs
+            out.append((f"grad_{name}", o.grad, r.grad, t.grad))
+    return out
