@@ -256,3 +256,64 @@ def test_step_metrics_leave_timings_out():
         "epoch": 0.5,
         "rewards/chosen": -0.1,
     }
+
+
+LIGER_ERROR = "the liger run exited with code 1; last lines of its log:\nTraceback ...\nRuntimeError: no kernel for sm_90"
+
+
+def test_a_failed_contender_is_in_the_table_with_its_error(results, tmp_path):
+    data = summary.build(results, {"liger": LIGER_ERROR})
+    data.update(command="fasttrain bench", wall_s=1.0, environment=report.environment(data))
+    header, table = report.rows(data)
+    assert header == ["", "reference", "liger", "fasttrain"]
+    assert table[0] == ["tokens/s", "110.0", "failed", "140.0 (1.27x)"]
+    error_row = table[-1]
+    assert error_row[0] == "error" and error_row[1] == error_row[3] == "-"
+    assert error_row[2].endswith("RuntimeError: no kernel for sm_90")
+    assert "liger failed; its remaining repetitions were skipped" in report.text_table(CONFIG, data)
+    assert "| error | - | the liger run exited with code 1" in report.markdown(CONFIG, data)
+    report.write_json(str(tmp_path / "r.json"), data)
+    assert json.loads((tmp_path / "r.json").read_text())["failed"] == {"liger": LIGER_ERROR}
+
+
+def test_without_a_finished_reference_there_are_no_ratios(results):
+    del results["reference"]
+    data = summary.build(results, {"reference": "the reference run exited with code 1"})
+    data.update(command="fasttrain bench", wall_s=1.0, environment=report.environment(data))
+    assert data["comparison"] == {}
+    text = report.text_table(CONFIG, data)
+    assert "the reference failed: no ratios" in text
+    header, table = report.rows(data)
+    assert header == ["", "reference", "fasttrain"]
+    assert table[0] == ["tokens/s", "failed", "140.0"]
+
+
+def test_run_all_goes_on_after_a_crash_and_reports_every_run(monkeypatch):
+    calls = []
+
+    def fake_run_one(config, contender, workdir, tag, on_step):
+        calls.append(contender.name)
+        if contender.name == "liger":
+            raise runner.RunFailed(LIGER_ERROR)
+        on_step(config.steps)
+        return _run(contender.name, contender.trainer, 100.0, 500.0, [4.0, 3.0, 2.0, 1.0])
+
+    monkeypatch.setattr(runner, "run_one", fake_run_one)
+    seen = []
+    contenders = [Contender(n, n) for n in ("reference", "liger", "fasttrain")]
+    results, failures = runner.run_all(
+        CONFIG, contenders, 2, progress=False, on_run=lambda r, f: seen.append((len(r["fasttrain"]), dict(f)))
+    )
+    assert calls == ["reference", "liger", "fasttrain", "fasttrain", "reference"]  # liger's 2nd skipped
+    assert failures == {"liger": LIGER_ERROR}
+    assert [len(results[n]) for n in ("reference", "liger", "fasttrain")] == [2, 0, 2]
+    assert seen == [(0, {}), (0, failures), (1, failures), (2, failures), (2, failures)]
+
+
+def test_a_data_error_still_ends_the_bench(monkeypatch):
+    def fake_run_one(config, contender, workdir, tag, on_step):
+        raise runner.BenchError("no 'text' column")
+
+    monkeypatch.setattr(runner, "run_one", fake_run_one)
+    with pytest.raises(runner.BenchError):
+        runner.run_all(CONFIG, [Contender("reference", "reference")], 2, progress=False)

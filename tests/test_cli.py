@@ -201,3 +201,59 @@ def test_trl_trainer_without_trl_is_a_usage_error(capsys, monkeypatch):
         importlib.util, "find_spec", lambda name, *a: None if name == "trl" else find_spec(name, *a)
     )
     assert "--trainer sft needs TRL" in _error(capsys, ["bench", "--device", "cpu", "--trainer", "sft"])
+
+
+def _bench_argv(tmp_path) -> list[str]:
+    return [
+        "bench", "--device", "cpu", "--model", "tiny", "--steps", "4", "--warmup-steps", "1", "--repeats", "2",
+        "--no-progress", "--json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md"),
+    ]  # fmt: skip
+
+
+def _finished_run(contender):
+    from test_bench_report import _run
+
+    return _run(contender.name, contender.trainer, 100.0, 500.0, [4.0, 3.0, 2.0, 1.0])
+
+
+def test_bench_writes_each_finished_run_so_a_cut_short_bench_keeps_them(tmp_path, monkeypatch, capsys):
+    from fasttrain.bench import runner
+
+    done = []
+
+    def fake_run_one(config, contender, workdir, tag, on_step):
+        if len(done) == 2:  # the time cap strikes during the third run: what is on disk is what finished
+            data = json.loads((tmp_path / "r.json").read_text())
+            assert data["complete"] is False and data["runs_done"] == 2 and data["runs_planned"] == 4
+            assert len(data[REFERENCE]["runs"]) == len(data[FASTTRAIN]["runs"]) == 1
+            assert "fasttrain_vs_reference" in data["comparison"]
+            assert "partial: 2 of 4 runs done" in (tmp_path / "r.md").read_text()
+            raise KeyboardInterrupt
+        done.append(contender.name)
+        return _finished_run(contender)
+
+    monkeypatch.setattr(runner, "run_one", fake_run_one)
+    assert cli.main(_bench_argv(tmp_path)) == 130
+    assert done == [REFERENCE, FASTTRAIN]
+    assert not list(tmp_path.glob("*.partial"))  # every write was whole
+
+
+def test_a_crashing_contender_is_reported_and_the_others_finish(tmp_path, monkeypatch, capsys):
+    from fasttrain.bench import runner
+
+    def fake_run_one(config, contender, workdir, tag, on_step):
+        if contender.name == FASTTRAIN:
+            raise runner.RunFailed(
+                "the fasttrain run exited with code 1; last lines of its log:\nOSError: boom"
+            )
+        return _finished_run(contender)
+
+    monkeypatch.setattr(runner, "run_one", fake_run_one)
+    assert cli.main(_bench_argv(tmp_path)) == 1
+    captured = capsys.readouterr()
+    assert "fasttrain: the fasttrain run exited with code 1" in captured.err
+    assert "OSError: boom" in captured.out  # the table's error row
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["complete"] is True and list(data["failed"]) == [FASTTRAIN]
+    assert len(data[REFERENCE]["runs"]) == 2 and FASTTRAIN not in data
+    assert "| error | - | the fasttrain run exited with code 1" in (tmp_path / "r.md").read_text()

@@ -2,7 +2,9 @@
 
 Exit codes: 0 done; 2 bad options or unusable model/data (one line on stderr, no traceback; an unknown or
 misspelled option prints the usage of the command it was given to); 1 a training run crashed (the tail of its
-log on stderr); 130 interrupted.
+log on stderr; the other contenders still ran and are in the table, the crashed one with its error); 130
+interrupted. ``--json`` and ``--markdown`` are rewritten after every run, so a bench stopped by a time cap keeps
+what finished.
 """
 
 from __future__ import annotations
@@ -277,26 +279,46 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
     config, contenders, repeats = resolve(args)
     started = time.perf_counter()
     load_start = _load_average()
-    results = runner.run_all(config, contenders, repeats, progress=not args.no_progress)
-    data = summary.build(results)
-    data["config"] = config.to_json()
-    data["command"] = shlex.join(["fasttrain", *argv])
-    data["wall_s"] = time.perf_counter() - started
-    if load_start is not None:
-        data["load_average"] = {"start": load_start, "end": _load_average()}
-    data["environment"] = report.environment(data)
+    planned = len(contenders) * repeats
+
+    def assemble(results, failures, complete: bool) -> dict:
+        data = summary.build(results, failures)
+        data["config"] = config.to_json()
+        data["command"] = shlex.join(["fasttrain", *argv])
+        data["wall_s"] = time.perf_counter() - started
+        data["complete"] = complete
+        # a failed run counts as done; the skipped repetitions of a failed contender never will be
+        data["runs_done"] = sum(len(runs) for runs in results.values()) + len(failures)
+        data["runs_planned"] = planned
+        if load_start is not None:
+            data["load_average"] = {"start": load_start, "end": _load_average()}
+        data["environment"] = report.environment(data)
+        return data
+
+    def write_files(data: dict) -> None:
+        if args.json:
+            report.write_json(args.json, data)
+        if args.markdown:
+            report.write_text(args.markdown, report.markdown(config, data))
+
+    results, failures = runner.run_all(
+        config,
+        contenders,
+        repeats,
+        progress=not args.no_progress,
+        on_run=lambda results, failures: write_files(assemble(results, failures, complete=False)),
+    )
+    data = assemble(results, failures, complete=True)
     print(report.text_table(config, data))
-    if args.json:
-        report.write_json(args.json, data)
-    if args.markdown:
-        with open(args.markdown, "w", encoding="utf-8") as handle:
-            handle.write(report.markdown(config, data))
-    if args.plot:
+    write_files(data)
+    if args.plot and report.finished_columns(data):
         report.plot(args.plot, config, data)
     for option, path in (("json", args.json), ("markdown", args.markdown), ("plot", args.plot)):
         if path:
             print(f"{option}: {path}", file=sys.stderr)
-    return 0
+    for name, error in failures.items():
+        print(f"fasttrain bench: {name}: {error}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,21 +93,44 @@ def _hot_paths(summary: dict[str, Any]) -> str:
     return ", ".join(on) + (("; off: " + ", ".join(off)) if off else "") if on else "off: " + ", ".join(off)
 
 
-def _columns(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+def finished_columns(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Contenders with at least one finished run, in table order."""
     columns = [(name, data[name]) for name in ("reference", "liger", "fasttrain") if name in data]
     columns += list(data.get("ablations", {}).items())
     return columns
 
 
+def _table_columns(data: dict[str, Any]) -> list[tuple[str, dict[str, Any] | None]]:
+    """``finished_columns`` plus, in their place, the contenders that failed before finishing a run (``None``)."""
+    finished = dict(finished_columns(data))
+    failed = [name for name in data.get("failed", {}) if name not in finished]
+    order = ["reference", "liger", "fasttrain"]
+    named = [(n, finished.get(n)) for n in order if n in finished or n in failed]
+    rest = [(n, finished.get(n)) for n in dict.fromkeys([*finished, *failed]) if n not in order]
+    return named + rest
+
+
+def _first_line(error: str, limit: int = 160) -> str:
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    # RunFailed carries the child's log tail: its last line is the exception; the first says which run
+    text = lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the side-by-side table (one column per contender, ratios against the reference)."""
-    columns = _columns(data)
+    """Header and rows of the side-by-side table (one column per contender, ratios against the reference).
+    A contender that failed before finishing a run has a column of "failed" and its error in the last row."""
+    columns = _table_columns(data)
     comparison = data["comparison"]
+    failed = data.get("failed", {})
     header = ["", *[name for name, _ in columns]]
 
     def line(label: str, key: str, digits: int = 1, ratio_key: str | None = None) -> list[str]:
         cells = [label]
         for name, summary in columns:
+            if summary is None:
+                cells.append("failed")
+                continue
             cell = _fmt(summary[key], digits)
             vs = comparison.get(f"{name}_vs_reference")
             if ratio_key and vs is not None:
@@ -128,6 +151,11 @@ def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     floor = ["largest loss diff between own repetitions"]
     for name, summary in columns:
         vs = comparison.get(f"{name}_vs_reference")
+        if summary is None:
+            diff.append("failed")
+            worst.append("failed")
+            floor.append("failed")
+            continue
         if vs is None:
             diff.append("-")
             worst.append("-")
@@ -137,7 +165,9 @@ def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             w = vs.get("largest_metric_difference") or {}
             worst.append(f"{_sci(w.get('max_rel'))} ({w['metric']})" if w.get("metric") else "n/a")
         floor.append(_sci(summary["loss_difference_between_repetitions"]))
-    table += [diff, worst, floor, ["hot paths", *[_hot_paths(s) for _, s in columns]]]
+    table += [diff, worst, floor, ["hot paths", *[_hot_paths(s) if s else "failed" for _, s in columns]]]
+    if failed:
+        table.append(["error", *[_first_line(failed[n]) if n in failed else "-" for n, _ in columns]])
     return header, table
 
 
@@ -145,7 +175,7 @@ def metric_rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Per logged metric, the largest per-step difference of each contender from the reference (abs / rel)."""
     differences = {
         name: data["comparison"][f"{name}_vs_reference"].get("metric_differences", {})
-        for name, _ in _columns(data)
+        for name, _ in finished_columns(data)
         if f"{name}_vs_reference" in data["comparison"]
     }
     metrics = sorted({metric for per_metric in differences.values() for metric in per_metric})
@@ -167,7 +197,10 @@ def _sci(value: Any) -> str:
 
 
 def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
-    reference = data["reference"]
+    finished = finished_columns(data)
+    if not finished:
+        return ["no run finished", *_progress_note(data)]
+    reference = data.get("reference") or finished[0][1]  # settings every run shares
     dtype = "bf16 weights + bf16=True" if config.bf16 else "fp32"
     reference_side, fasttrain_side = _SIDES[config.trainer_type]
     return [
@@ -186,7 +219,23 @@ def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
         "all steps, relative to the reference's value at that step (every numeric value the Trainer logs at "
         "each step, timings left out)",
         *_load_note(data),
+        *_progress_note(data),
     ]
+
+
+def _progress_note(data: dict[str, Any]) -> list[str]:
+    """A file written while the bench runs says so; a failed contender's full error is in the JSON."""
+    notes = []
+    if data.get("complete") is False:
+        notes.append(
+            f"partial: {data.get('runs_done', '?')} of {data.get('runs_planned', '?')} runs done when this was "
+            "written (rewritten after every run: a bench cut short keeps what finished)"
+        )
+    if "reference" not in data and data.get("failed", {}).get("reference"):
+        notes.append("the reference failed: no ratios")
+    for name in data.get("failed", {}):
+        notes.append(f"{name} failed; its remaining repetitions were skipped (full error in the JSON)")
+    return notes
 
 
 def _load_note(data: dict[str, Any]) -> list[str]:
@@ -259,10 +308,16 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def write_text(path: str, text: str) -> None:
+    """Written whole or not at all: a bench killed at its time cap never leaves half a file."""
+    partial = f"{path}.partial"
+    with open(partial, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(partial, path)
+
+
 def write_json(path: str, data: dict[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(_jsonable(data), handle, indent=2, allow_nan=False)
-        handle.write("\n")
+    write_text(path, json.dumps(_jsonable(data), indent=2, allow_nan=False) + "\n")
 
 
 def check_plot_available() -> None:
@@ -283,7 +338,7 @@ def plot(path: str, config: BenchConfig, data: dict[str, Any]) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    columns = _columns(data)
+    columns = finished_columns(data)
     names = [name for name, _ in columns]
     fig, (ax_loss, ax_tps, ax_mem) = plt.subplots(
         1, 3, figsize=(15, 4.5), gridspec_kw={"width_ratios": [2, 1, 1]}

@@ -2,6 +2,10 @@
 
 Order: round r runs the contenders in order, reversed on odd rounds (reference, fasttrain, then fasttrain,
 reference, ...), so slow drift of the machine (thermal, other load) falls on both sides alike.
+
+A contender whose run crashes (Liger without a kernel for this GPU, an out-of-memory) is recorded with its error
+and its remaining repetitions are skipped; the other contenders go on. After every run, finished or failed, the
+caller hears of it (``on_run``) so that it can write what finished: a run cut short by a time cap keeps it.
 """
 
 from __future__ import annotations
@@ -111,14 +115,24 @@ def run_one(
     return result
 
 
+Results = dict[str, list[dict[str, Any]]]
+
+
 def run_all(
-    config: BenchConfig, contenders: list[Contender], repeats: int, progress: bool = True
-) -> dict[str, list[dict[str, Any]]]:
-    """Every repetition of every contender: contender name -> list of worker results, in run order."""
+    config: BenchConfig,
+    contenders: list[Contender],
+    repeats: int,
+    progress: bool = True,
+    on_run: Callable[[Results, dict[str, str]], None] | None = None,
+) -> tuple[Results, dict[str, str]]:
+    """Every repetition of every contender: (contender name -> worker results in run order, contender name ->
+    the error that stopped it). ``on_run(results, failures)`` is called after each run. A user error
+    (``BenchError``: the same data fails every contender) still ends the bench at once."""
     from tqdm.auto import tqdm
 
     order = schedule(contenders, repeats)
-    results: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
+    results: Results = {c.name: [] for c in contenders}
+    failures: dict[str, str] = {}
     bar = tqdm(
         total=len(order) * config.steps,
         unit="step",
@@ -129,14 +143,26 @@ def run_all(
     try:
         with tempfile.TemporaryDirectory(prefix="fasttrain-bench-") as workdir:
             for index, (round_index, contender) in enumerate(order):
+                if contender.name in failures:  # it crashed once: the next repetition would too
+                    bar.update(config.steps)
+                    continue
                 bar.set_description(f"{contender.name} {round_index + 1}/{repeats}")
                 started = time.perf_counter()
-                result = run_one(config, contender, workdir, f"{index:02d}-{contender.name}", bar.update)
-                result["wall_s"] = time.perf_counter() - started
-                result["round"] = round_index
-                # a run that ended early (it should not) still leaves the bar consistent
-                bar.update(max(0, config.steps - result["steps"]))
-                results[contender.name].append(result)
+                done_before = bar.n
+                try:
+                    result = run_one(config, contender, workdir, f"{index:02d}-{contender.name}", bar.update)
+                except RunFailed as exc:
+                    failures[contender.name] = str(exc)
+                    bar.update(max(0, config.steps - (bar.n - done_before)))
+                    print(f"fasttrain bench: {contender.name} failed; going on without it", file=sys.stderr)
+                else:
+                    result["wall_s"] = time.perf_counter() - started
+                    result["round"] = round_index
+                    # a run that ended early (it should not) still leaves the bar consistent
+                    bar.update(max(0, config.steps - result["steps"]))
+                    results[contender.name].append(result)
+                if on_run is not None:
+                    on_run(results, failures)
     finally:
         bar.close()
-    return results
+    return results, failures

@@ -95,8 +95,10 @@ def compare(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def build(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """``{"reference": {...}, "fasttrain": {...}, ["liger": {...}], ["ablations": {...}], "comparison": {...}}``."""
+def build(results: dict[str, list[dict[str, Any]]], failures: dict[str, str] | None = None) -> dict[str, Any]:
+    """``{"reference": {...}, "fasttrain": {...}, ["liger": {...}], ["ablations": {...}], "comparison": {...},
+    "failed": {name: error}}``. A contender without a finished run has no entry (a failed one is in "failed");
+    without a finished reference there is nothing to compare against and "comparison" is empty."""
     summaries = {name: summarize(runs) for name, runs in results.items() if runs}
     out: dict[str, Any] = {}
     for name in (REFERENCE, FASTTRAIN, LIGER):
@@ -104,14 +106,16 @@ def build(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             out[name] = summaries.pop(name)
     if summaries:
         out["ablations"] = summaries
-    reference = out[REFERENCE]
     comparison: dict[str, Any] = {}
+    reference = out.get(REFERENCE)
     for name in (FASTTRAIN, LIGER):
-        if name in out:
+        if name in out and reference is not None:
             comparison[f"{name}_vs_reference"] = compare(reference, out[name])
     if FASTTRAIN in out and LIGER in out:
         comparison["fasttrain_vs_liger"] = compare(out[LIGER], out[FASTTRAIN])
     for name, summary in out.get("ablations", {}).items():
-        comparison[f"{name}_vs_reference"] = compare(reference, summary)
+        if reference is not None:
+            comparison[f"{name}_vs_reference"] = compare(reference, summary)
     out["comparison"] = comparison
+    out["failed"] = dict(failures or {})
     return out
