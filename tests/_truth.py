@@ -55,7 +55,7 @@ FP32_TENSOR = Bound(k=K, floor=8 * EPS32)
 BF16_STEP = Bound(k=K, floor=4 * EPS_BF16)
 
 
-def _record(line: str) -> None:
+def record(line: str) -> None:
     """With TRUTH_REPORT=<file>, every comparison appends its distances there (to see how much room a bound has)."""
     path = os.environ.get("TRUTH_REPORT")
     if path:
@@ -102,7 +102,7 @@ def _near(ours: float, ref: float, truth: float, bound: Bound, abs_floor: float 
 def assert_scalar_near_truth(what: str, ours: float, ref: float, truth: float, bound: Bound,
                              abs_floor: float = 0.0) -> None:
     ok, text = _near(ours, ref, truth, bound, abs_floor)
-    _record(f"{what}: {text}")
+    record(f"{what}: {text}")
     assert ok, f"{what}: {text}"
 
 
@@ -143,7 +143,7 @@ def assert_tensors_near_truth(ours: dict[str, torch.Tensor], ref: dict[str, torc
             continue
         ref_err, our_err = _distance(ref[name], t), _distance(ours[name], t)
         limit = bound.limit(ref_err, float(t.detach().double().norm()))
-        _record(f"{what} {name}: |ours - f64| = {our_err:.3e}, |ref - f64| = {ref_err:.3e}, limit {limit:.3e}")
+        record(f"{what} {name}: |ours - f64| = {our_err:.3e}, |ref - f64| = {ref_err:.3e}, limit {limit:.3e}")
         if not our_err <= limit:
             off.append(f"{name}: |ours - f64| = {our_err:.3e}, |ref - f64| = {ref_err:.3e}, limit {limit:.3e}")
     assert not off, f"{what}s farther from float64 than the reference allows:\n" + "\n".join(off)
@@ -176,7 +176,50 @@ def assert_values_near_truth(what: str, ours: Sequence[float], ref: Sequence[flo
     decided = []
     for i, (b, a, t) in enumerate(zip(ours, ref, truth, strict=True)):
         ok, text = _near(b, a, t, bound)
-        _record(f"{what}[{i}]: {text}")
+        record(f"{what}[{i}]: {text}")
         assert ok, f"{what}[{i}]: {text}"
         decided.append(abs(t) > bound.limit(abs(a - t), abs(t)))
     return decided
+
+
+class Float64TrlHead:
+    """TRL's fused LM-head contract (``trl.kernels.ChunkedLogProbFunction.apply``) in float64, by autograd over
+    the full logits, for the truth run: TRL's own head folds its logits in float32 whatever the model's dtype.
+
+    It also records, per call, each scored token's top-1 margin (its logit minus the largest other logit) and
+    ``|h| * max_v |w_v|``, which bounds by Cauchy-Schwarz every logit's magnitude: a run in a dtype of unit
+    roundoff ``eps`` can only flip a top-1 hit whose margin is within a few ``eps`` of that scale."""
+
+    def __init__(self):
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def apply(self, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
+              logit_scale=1.0, outputs=("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")):
+        hidden, weight = hidden.double(), weight.double()
+        z = torch.nn.functional.linear(hidden, weight, None if bias is None else bias.double()) * logit_scale
+        if final_logit_softcapping is not None:
+            z = final_logit_softcapping * torch.tanh(z / final_logit_softcapping)
+        z = z / temperature
+        log_p = z.log_softmax(-1)
+        log_probs = log_p.gather(-1, targets[:, None]).squeeze(-1)
+        target_z = z.gather(-1, targets[:, None]).squeeze(-1).detach()
+        others = z.detach().scatter(-1, targets[:, None], -math.inf)
+        # argmax takes the first maximum: a tie with an earlier token is not a hit (TRL's and fasttrain's rule)
+        margin = target_z - others.amax(-1)
+        scored = targets != 0  # off a GPU TRL scores every position, ignored ones with their label clamped to 0
+        scale = hidden.detach().norm(dim=-1) * weight.detach().norm(dim=-1).max()
+        self.calls.append((margin[scored], scale[scored]))
+        entropy = -(log_p.exp() * log_p).sum(-1)
+        first_max = z.detach().argmax(-1) == targets
+        return (
+            log_probs,
+            entropy if "entropy" in outputs else None,
+            torch.logsumexp(2 * log_p, -1).detach() if "log_sum_sq_probs" in outputs else None,
+            z.detach().mean(-1) if "mean_logits" in outputs else None,
+            first_max if "is_top1" in outputs else None,
+        )
+
+    def undecided(self, eps: float, ulps: float) -> list[int]:
+        """Per call, how many top-1 hits lie within ``ulps * eps`` of their logits' scale (a run in that dtype may
+        take them either way)."""
+        return [int((margin.abs() <= ulps * eps * scale).sum()) for margin, scale in self.calls]
