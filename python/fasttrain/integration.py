@@ -6,7 +6,9 @@ Trainer's own ``__init__``; nothing else of fasttrain touches the Trainer. It us
 - collator: ``trainer.data_collator`` becomes the Rust equivalent of a transformers (or TRL) collator;
 - optimizer: the trainer's ``create_optimizer`` (a documented override point) hands ``FusedAdamW`` to the
   Trainer through ``optimizer_cls_and_kwargs``, with the kwargs transformers itself derives from the arguments at
-  that moment (hyperparameter search changes them per trial);
+  that moment (hyperparameter search changes them per trial); under DeepSpeed it becomes the client optimizer
+  that ZeRO steps on its flat fp32 partitions (the engine clips), unless the DeepSpeed config has an
+  ``optimizer`` section (then ``training_step`` finds DeepSpeed's optimizer, to settle the status at its step);
 - loss: the model's forward, per instance (``model_init`` wrapped so a rebuilt model gets it too), and
   ``prediction_step`` so a loss-only evaluation takes the fused path;
 
@@ -81,6 +83,8 @@ def apply(trainer: Any, hot_paths: HotPaths | None = None) -> None:
     trainer.hot_paths = seam.paths
     trainer.fasttrain_status = seam.status
     _override(trainer, "create_optimizer", _create_optimizer)  # also settles the status after one step
+    if _deepspeed_config(trainer) is not None:
+        _arm_deepspeed(trainer, seam)
     if seam.paths.collator:
         _swap_collator(trainer, seam)
     if seam.paths.sampler:
@@ -248,7 +252,8 @@ def _create_optimizer(trainer: Any, original: Callable[..., Any], *args: Any, **
             optimizer = original(*args, **kwargs)
         finally:
             trainer.optimizer_cls_and_kwargs = None
-    if optimizer is not None and not seam.logged:
+    # not Accelerate's DummyOptim (a DeepSpeed `optimizer` section): training_step finds DeepSpeed's optimizer
+    if isinstance(optimizer, torch.optim.Optimizer) and not seam.logged:
         _settle_after_first_step(seam, optimizer)
     return optimizer
 
@@ -264,8 +269,8 @@ def _fused_adamw_kwargs(trainer: Any, seam: _Seam, model: Any) -> dict[str, Any]
         reason, fallback = "the Trainer was given optimizer_cls_and_kwargs", False
     elif optim not in _ADAMW_OPTIMS:
         reason, fallback = f"optim={optim} is not an AdamW fasttrain replaces", False
-    elif getattr(trainer, "is_deepspeed_enabled", False):
-        reason = "DeepSpeed builds and wraps the optimizer itself (FusedAdamW is untested under ZeRO)"
+    elif "optimizer" in (_deepspeed_config(trainer) or {}):
+        reason, fallback = _DEEPSPEED_OPTIMIZER, False
     else:
         cls, kwargs = trainer.get_optimizer_cls_and_kwargs(args, model)
         if cls is not torch.optim.AdamW:
@@ -275,7 +280,13 @@ def _fused_adamw_kwargs(trainer: Any, seam: _Seam, model: Any) -> dict[str, Any]
         return None
     # lr, betas and eps as transformers derives them; weight decay comes with the Trainer's parameter groups
     kwargs = {k: v for k, v in kwargs.items() if k not in ("fused", "foreach")}
-    return {**kwargs, **fused_adamw_options(args)}
+    options = fused_adamw_options(args)
+    if _deepspeed_config(trainer) is not None and options.get("bf16_stochastic_rounding"):
+        raise ValueError(
+            "optim_args: bf16_stochastic_rounding=true has no effect under DeepSpeed ZeRO: FusedAdamW steps "
+            "DeepSpeed's fp32 master partitions and DeepSpeed rounds them to bf16 itself; drop the option"
+        )
+    return {**kwargs, **options}
 
 
 def _settle_after_first_step(seam: _Seam, optimizer: torch.optim.Optimizer) -> None:
@@ -293,6 +304,43 @@ def _settle_after_first_step(seam: _Seam, optimizer: torch.optim.Optimizer) -> N
 
     optimizer.register_step_post_hook(hook)
     seam.settle_hooked = weakref.ref(optimizer)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DeepSpeed
+
+_DEEPSPEED_OPTIMIZER = "DeepSpeed's config chose the optimizer (its `optimizer` section)"
+
+
+def _deepspeed_config(trainer: Any) -> dict[str, Any] | None:
+    """The DeepSpeed config dict of a trainer that runs under DeepSpeed, else None."""
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return None
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return getattr(plugin, "deepspeed_config", None) or {}
+
+
+def _arm_deepspeed(trainer: Any, seam: _Seam) -> None:
+    """Under DeepSpeed the engine clips (``gradient_clipping``) and its ZeRO optimizer steps the client
+    optimizer (FusedAdamW, on DeepSpeed's flat fp32 partitions) unless the config has an ``optimizer`` section.
+    Then the Trainer's create_optimizer returns Accelerate's DummyOptim and DeepSpeed builds the optimizer inside
+    its engine: the status settles at that optimizer's first step, found at the first training_step (the engine
+    exists by then). Not create_scheduler: DeepSpeed's scheduler callable calls it on a copy of the trainer."""
+    if "optimizer" in _deepspeed_config(trainer):
+        if seam.paths.optimizer:
+            seam.off("optimizer", _DEEPSPEED_OPTIMIZER, fallback=False)
+        _override(trainer, "training_step", _training_step)
+
+
+def _training_step(trainer: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    seam = seam_of(trainer)
+    if not seam.logged and seam.settle_hooked is None:
+        optimizer = trainer.optimizer
+        while getattr(optimizer, "optimizer", None) is not None:  # Accelerate's, DeepSpeed's, ZeRO's wrappers
+            optimizer = optimizer.optimizer
+        if isinstance(optimizer, torch.optim.Optimizer):
+            _settle_after_first_step(seam, optimizer)
+    return original(*args, **kwargs)
 
 
 # FusedAdamW options a user can set without touching the script: `--optim_args "state_dtype=8bit"` (or
@@ -358,6 +406,10 @@ def _arm_clip(trainer: Any, seam: _Seam) -> None:
     if not seam.paths.optimizer:
         seam.off("clip", "the optimizer hot path is switched off", fallback=False)
         return
+    if _deepspeed_config(trainer) is not None:
+        # the engine clips the partitions before its optimizer steps: a fused clip would clip twice
+        seam.off("clip", _DEEPSPEED_CLIPS, fallback=False)
+        return
     problem = _private_hook_problem(trainer, "_clip_grad_norm", ("model",)) or _private_hook_problem(
         trainer, "_get_grad_norm", ("model", "grad_norm")
     )
@@ -369,6 +421,9 @@ def _arm_clip(trainer: Any, seam: _Seam) -> None:
         seam.off("clip", f"max_grad_norm={trainer.args.max_grad_norm}: no clipping", fallback=False)
     _override(trainer, "_clip_grad_norm", _clip_grad_norm)
     _override(trainer, "_get_grad_norm", _get_grad_norm)
+
+
+_DEEPSPEED_CLIPS = "DeepSpeed clips inside its engine (its gradient_clipping setting)"
 
 
 def _clip_grad_norm(trainer: Any, original: Callable[..., Any], model: Any) -> Any:
@@ -407,7 +462,7 @@ def _fused_clip_target(trainer: Any, model: Any) -> Any:
     elif reader is not None:
         reason = f"callback {reader} reads gradients between the clip and the step"
     elif kind == DistributedType.DEEPSPEED:
-        reason = "DeepSpeed clips inside its engine"
+        reason, fallback = _DEEPSPEED_CLIPS, False
     elif kind == DistributedType.FSDP and not getattr(accelerator, "is_fsdp2", False):
         reason = "FSDP1 clips through its own wrapper"
     elif kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP):

@@ -8,8 +8,8 @@ by identity). The wrapper decides per call:
                 and  (model.training  or  set_eval_fused(model, True) is in force)
                 and  logits_to_keep is 0/None, return_dict is not False
                 and  the model's loss_function is transformers' ForCausalLMLoss (no custom loss)
-                and  the output weight is a whole local tensor (not a sharded FSDP2 DTensor, not a
-                     partitioned ZeRO-3 parameter)
+                and  the output weight is a whole local tensor when read inside the forward (not a sharded
+                     FSDP2 DTensor, not a ZeRO-3 partition that DeepSpeed did not gather)
 
 Otherwise the model's own forward runs unchanged (with logits). So generation and calls without labels
 keep logits; evaluation keeps logits unless the caller says it only needs the loss
@@ -30,9 +30,13 @@ gradient in fp32, so bf16 results agree to bf16 precision (a few 1e-3 relative),
 Distributed: under FSDP2 with the output layer in the root unit (the usual layout: only decoder layers
 are sharded separately) the root's forward has already unsharded ``lm_head.weight``, which we read as a
 plain tensor and whose gradient FSDP2 reduce-scatters as usual. If the weight is still a sharded DTensor
-at call time (lm_head sharded on its own), or is a DeepSpeed ZeRO-3 partitioned parameter (``ds_id``;
-gathered only inside lm_head's own forward hooks), reading it directly would use a shard, so the call
-takes the model's own path and says so once in the log.
+at call time (lm_head sharded on its own), reading it directly would use a shard, so the call takes the
+model's own path and says so once in the log. Under DeepSpeed ZeRO-3 the weight is a partitioned parameter
+(``ds_id``; an empty placeholder outside the forward): read inside the model's forward, DeepSpeed gathers it
+whole and registers it as an external parameter of the running module (released after the forward, gathered
+again for the backward, its gradient reduce-scattered as usual). So the weight is read once per forward, at
+call time, and handed to every chunk; never held from an earlier call. A weight still partitioned when read
+(its shape is not its ``ds_shape``) takes the model's own path.
 """
 
 from __future__ import annotations
@@ -130,8 +134,8 @@ def _shard_problem(weight: torch.Tensor) -> str | None:
         DTensor = ()
     if isinstance(weight, DTensor):
         return "the output weight is a sharded FSDP2 DTensor (lm_head sharded on its own)"
-    if hasattr(weight, "ds_id"):
-        return "the output weight is a DeepSpeed ZeRO-3 partitioned parameter"
+    if hasattr(weight, "ds_id") and tuple(weight.shape) != tuple(getattr(weight, "ds_shape", weight.shape)):
+        return "the output weight is a DeepSpeed ZeRO-3 partition that was not gathered inside the forward"
     return None
 
 
@@ -164,7 +168,10 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         )
         return state.original_forward(*args, **kwargs)
     head = self.get_output_embeddings()
-    problem = _shard_problem(head.weight)
+    # read once, inside the forward: under ZeRO-3 this read is what gathers the whole weight (one gather per
+    # forward, shared by every chunk of the loss)
+    weight = head.weight
+    problem = _shard_problem(weight)
     if problem is not None:
         log_once(
             f"fused-loss-shard:{problem}",
@@ -185,7 +192,7 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     loss = fused_linear_cross_entropy(
         hidden,
-        head.weight,
+        weight,
         shift_labels.to(hidden.device),
         head.bias,
         ignore_index=ignore_index,
