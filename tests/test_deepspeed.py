@@ -1,0 +1,206 @@
+"""DeepSpeed ZeRO-1/2/3 through ``transformers.Trainer`` on CPU (2 processes, gloo), with and without fasttrain.
+
+One torchrun launch per ZeRO stage (tests/_deepspeed_worker.py) trains, in the same processes: the float64 truth,
+the float32 reference, and the same script under ``fasttrain.patch()`` (plus, at some stages, variants). Checked:
+
+- per-step loss and grad_norm: ``|ours - truth| <= K * |reference - truth| + floor`` against the float64 run;
+- every example trained on exactly once per epoch across the two ranks;
+- ``fasttrain_status`` against detectors: FusedAdamW is the optimizer ZeRO stepped (its state exists), the fused
+  loss never called ``lm_head`` (the reference did), DeepSpeed's clip is the only clip (FusedAdamW applied none).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# long multi-process runs: not in the default run (`slow`); .ci/scale runs them
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "_deepspeed_worker.py"
+ROWS = 32  # 2 ranks x 2 rows x 2 accumulation steps = 8 rows a step: 4 whole steps an epoch
+EPOCHS = 2
+LAUNCH_RUNS = {
+    1: ["truth", "reference", "fasttrain"],
+    2: ["truth", "reference", "fasttrain", "fasttrain-ds-optimizer", "fasttrain-8bit", "fasttrain-stochastic-rounding",
+        "fasttrain-save", "fasttrain-resume"],
+    3: ["truth", "reference", "fasttrain", "fasttrain-ds-optimizer", "fasttrain-save", "fasttrain-resume"],
+}
+SAVE_STEP = 4  # the worker's: fasttrain-save checkpoints at step 4, fasttrain-resume resumes from there
+# fasttrain's float32 run may be a few times farther from the float64 truth than the float32 reference is:
+# both round differently (another summation order in the fused loss), neither is exact
+K = 4.0
+# the Trainer accumulates the logged loss in a float32 tensor, the truth's too: a few float32 units in the last
+# place of the value are rounding noise in every run (2**-23 relative per unit)
+FLOOR_ULPS = 16
+FP32_EPS = 2.0**-23
+DEEPSPEED_CLIPS = "off: DeepSpeed clips inside its engine (its gradient_clipping setting)"
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def launch(out: Path, stage: int, runs: list[str]) -> dict[str, list[dict]]:
+    """Run the worker once for ``runs``; returns each run's results of both ranks."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+           str(WORKER), str(out), "--stage", str(stage), "--runs", ",".join(runs), "--epochs", str(EPOCHS),
+           "--rows", str(ROWS)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return {run: [json.loads((out / f"{run}-rank{r}.json").read_text()) for r in range(2)] for run in runs}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """stage -> its runs, each stage launched once (on first use) for every test of the module."""
+    cache: dict[int, dict[str, list[dict]]] = {}
+
+    def runs(stage: int) -> dict[str, list[dict]]:
+        if stage not in cache:
+            cache[stage] = launch(tmp_path_factory.mktemp(f"zero{stage}"), stage, LAUNCH_RUNS[stage])
+        return cache[stage]
+
+    return runs
+
+
+def _cases(*names: str) -> list:
+    return [pytest.param(stage, run, id=f"zero{stage}-{run}")
+            for stage, runs in LAUNCH_RUNS.items() for run in runs if run in names]
+
+
+STAGES = [pytest.param(stage, id=f"zero{stage}") for stage in LAUNCH_RUNS]
+
+
+def _trained(results: list[dict]) -> list[dict]:
+    for r in results:
+        assert "error" not in r, r.get("traceback", r.get("error"))
+    return results
+
+
+def _within_truth(name: str, ours: float, ref: float, truth: float) -> str | None:
+    bound = K * abs(ref - truth) + FLOOR_ULPS * FP32_EPS * abs(truth)
+    if abs(ours - truth) <= bound:
+        return None
+    return f"{name}: |ours - truth| = {abs(ours - truth):.3e} > {bound:.3e} (|ref - truth| = {abs(ref - truth):.3e})"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_runs_are_zero_on_two_ranks(launched, stage):
+    runs = launched(stage)
+    for name in ("truth", "reference", "fasttrain"):
+        for r in _trained(runs[name]):
+            assert (r["world_size"], r["distributed_type"], r["zero_stage"]) == (2, "DistributedType.DEEPSPEED", stage)
+    assert {r["weights_dtype"] for r in runs["truth"]} == {"torch.float64"}
+    assert {r["weights_dtype"] for r in runs["fasttrain"]} == {"torch.float32"}
+
+
+@pytest.mark.parametrize(("stage", "run"), _cases("reference", "fasttrain", "fasttrain-ds-optimizer"))
+def test_every_example_once_per_epoch(launched, stage, run):
+    results = _trained(launched(stage)[run])
+    for epoch in range(EPOCHS):
+        seen = sorted(row for r in results for row in r["rows_by_epoch"][str(epoch)])
+        assert seen == list(range(ROWS)), f"epoch {epoch}: rows seen {seen}"
+
+
+@pytest.mark.parametrize(("stage", "run"), _cases("fasttrain", "fasttrain-ds-optimizer"))
+def test_loss_and_grad_norm_as_close_to_float64_as_the_reference(launched, stage, run):
+    runs = launched(stage)
+    truth, ref, ours = (_trained(runs[name])[0]["logs"] for name in ("truth", "reference", run))
+    assert len(ours) == len(ref) == len(truth) == EPOCHS * ROWS // 8
+    off = []
+    for step, (t, r, o) in enumerate(zip(truth, ref, ours, strict=True), start=1):
+        for key in ("loss", "grad_norm"):
+            problem = _within_truth(f"step {step} {key}", o[key], r[key], t[key])
+            if problem:
+                off.append(problem)
+    assert not off, "\n".join(off)
+    # both ranks log the same values (the loss is averaged across ranks before logging)
+    assert runs[run][0]["logs"] == runs[run][1]["logs"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_status_tells_the_truth(launched, stage):
+    runs = launched(stage)
+    ref, ours = _trained(runs["reference"])[0], _trained(runs["fasttrain"])[0]
+    assert ours["status"] == {
+        "optimizer": "on",
+        "clip": DEEPSPEED_CLIPS,
+        "loss": "on",
+        "collator": "on",
+        "sampler": "on",
+    }
+    # optimizer "on": ZeRO stepped FusedAdamW (its state exists, on DeepSpeed's flat partitions)
+    assert ours["inner_optimizer"] == "fasttrain.optim.adamw.FusedAdamW"
+    assert ours["inner_optimizer_states"] > 0
+    # clip off: DeepSpeed clipped; FusedAdamW applied no clip of its own (never twice)
+    assert ours["deferred_clips_applied"] == 0
+    # loss "on": the fused path never called lm_head, where the reference called it every micro-batch
+    assert ours["lm_head_calls"] == 0 < ref["lm_head_calls"]
+    if stage == 3:  # lm_head was partitioned (the fused loss had to gather it inside the forward)
+        assert ours["lm_head_numel_after_training"] == 0
+
+
+@pytest.mark.parametrize(("stage", "run"), _cases("fasttrain-ds-optimizer"))
+def test_deepspeed_optimizer_section_is_reported(launched, stage, run):
+    run = _trained(launched(stage)[run])[0]
+    assert run["status"]["optimizer"] == "off: DeepSpeed's config chose the optimizer (its `optimizer` section)"
+    assert run["inner_optimizer"] == "torch.optim.adamw.AdamW"
+    # the status settled at the first step of DeepSpeed's optimizer: nothing is left undecided
+    assert run["status"]["loss"] == "on" and run["lm_head_calls"] == 0
+    assert run["status"]["clip"] == DEEPSPEED_CLIPS
+
+
+@pytest.mark.parametrize(("stage", "run"), _cases("fasttrain-8bit"))
+def test_8bit_state_on_zero_partitions(launched, stage, run):
+    runs = launched(stage)
+    run, full = _trained(runs[run])[0], _trained(runs["fasttrain"])[0]
+    assert run["status"]["optimizer"] == "on"
+    assert "exp_avg_codes" in run["inner_state_keys"], run["inner_state_keys"]
+    # 8-bit moments change the updates by their quantization error (~1% of a moment): the run must follow the
+    # full-precision one to a small fraction of how far training moved the loss, not diverge
+    moved = abs(full["logs"][-1]["loss"] - full["logs"][0]["loss"])
+    for step, (a, b) in enumerate(zip(full["logs"], run["logs"], strict=True), start=1):
+        assert math.isfinite(b["loss"]) and abs(a["loss"] - b["loss"]) <= 0.1 * moved, f"step {step}"
+
+
+@pytest.mark.parametrize(("stage", "run"), _cases("fasttrain-stochastic-rounding"))
+def test_stochastic_rounding_is_refused_under_zero(launched, stage, run):
+    for r in launched(stage)[run]:
+        assert "bf16_stochastic_rounding=true has no effect under DeepSpeed ZeRO" in r.get("error", ""), r
+
+
+def _resume_cases() -> list:
+    cases = _cases("fasttrain-resume")
+    # Found by this test, not fixed yet: under ZeRO-3, fasttrain's resumed run logs another loss at the first
+    # step after the checkpoint (6e-5 off at step 5, so the weights it resumed with differ), where plain
+    # transformers resumes exactly (reference-save / reference-resume). ZeRO-2 resumes exactly.
+    return [pytest.param(*c.values, id=c.id, marks=pytest.mark.xfail(
+        strict=True, reason="ZeRO-3 resume under fasttrain: weights after loading differ (open)"))
+        if c.values[0] == 3 else c for c in cases]
+
+
+@pytest.mark.parametrize(("stage", "run"), _resume_cases())
+def test_resume_continues_as_the_uninterrupted_run(launched, stage, run):
+    runs = launched(stage)
+    uninterrupted = {log["step"]: log for log in _trained(runs["fasttrain"])[0]["logs"]}
+    resumed = [log for log in _trained(runs[run])[0]["logs"] if log["step"] > SAVE_STEP]
+    assert [log["step"] for log in resumed] == [s for s in uninterrupted if s > SAVE_STEP]
+    for log in resumed:
+        # DeepSpeed's checkpoint holds the fp32 partitions and FusedAdamW's state exactly: the same arithmetic
+        # follows, so only float32 rounding noise of the logged value is allowed
+        for key in ("loss", "grad_norm"):
+            expected = uninterrupted[log["step"]][key]
+            assert abs(log[key] - expected) <= FLOOR_ULPS * FP32_EPS * abs(expected), (log["step"], key)
+    assert _trained(runs[run])[0]["status"]["optimizer"] == "on"
