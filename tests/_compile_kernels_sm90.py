@@ -1,10 +1,11 @@
 """Compile fasttrain's Triton kernels for an H100/H200 (sm_90) without a GPU: Triton's compiler and ptxas run on CPU.
 
-    python tests/_compile_kernels_sm90.py [--all] [--jobs N] [--only MODULE.KERNEL]
+    python tests/_compile_kernels_sm90.py [--all | --each-value] [--jobs N] [--only MODULE.KERNEL]
 
 Every entry point and variant space comes from tests/_kernel_variants.py; first it checks that this list covers
 every ``@triton.jit`` entry point of kernels/ (exit 3 when it does not). Default: the pairwise-covering subset of
-each kernel's variants; ``--all``: every variant (thousands: hours). Prints one JSON line per compiled variant
+each kernel's variants; ``--each-value``: a subset with every value of every parameter once (quicker);
+``--all``: every variant (thousands: hours). Prints one JSON line per compiled variant
 (with the number of 128-bit global loads in its PTX) and a last line ``{"done": ...}``; exit 1 if any failed,
 each failure printed with its variant and Triton's error.
 
@@ -66,7 +67,9 @@ def _compile(spec_key: str, variant: dict) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--all", action="store_true", help="every variant, not the pairwise-covering subset")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--all", action="store_true", help="every variant, not the pairwise-covering subset")
+    which.add_argument("--each-value", action="store_true", help="every value of every parameter once")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compiling processes")
     parser.add_argument("--only", action="append", default=[], help="MODULE.KERNEL (repeatable)")
     args = parser.parse_args()
@@ -78,7 +81,11 @@ def main() -> int:
         )
         return 3
     specs = [s for s in V.KERNELS if not args.only or s.key in args.only]
-    jobs = [(s.key, v) for s in specs for v in (V.all_variants(s) if args.all else V.pairwise(s))]
+    jobs = [
+        (s.key, v)
+        for s in specs
+        for v in (V.all_variants(s) if args.all else V.covering(s, 1 if args.each_value else 2))
+    ]
     failed = 0
     started = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:

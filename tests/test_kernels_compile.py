@@ -53,10 +53,11 @@ def test_a_kernel_or_constexpr_the_list_lacks_is_reported(tmp_path):
 
 
 @pytest.mark.parametrize("spec", V.KERNELS, ids=lambda s: s.key)
-def test_pairwise_subset_covers_every_value_pair(spec):
-    chosen = V.pairwise(spec)
-    wanted = set().union(*(V._pairs(v) for v in V.all_variants(spec)))
-    got = set().union(*(V._pairs(v) for v in chosen))
+@pytest.mark.parametrize("strength", [1, 2])
+def test_covering_subset_has_every_value_and_pair(spec, strength):
+    chosen = V.covering(spec, strength)
+    wanted = set().union(*(V._pairs(v, strength) for v in V.all_variants(spec)))
+    got = set().union(*(V._pairs(v, strength) for v in chosen))
     assert wanted == got
     assert all(spec.valid(v) for v in chosen)
     assert len(chosen) < len(V.all_variants(spec)) or len(chosen) <= 2
