@@ -47,6 +47,7 @@ def test_percent_of_limit_takes_the_binding_limit():
     assert roofline.percent_of_limit(6.0, compute, LIMITS) == 50.0
     assert roofline.percent_of_limit(None, compute, LIMITS) is None
     assert roofline.fmt_percent(None) == "n/a" and roofline.fmt_percent(49.6) == "50%"
+    assert roofline.fmt_percent(0.0123) == "0.012%"
 
 
 def test_smoke_measures_the_cpu_and_writes_what_it_used(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ kill grace must stay under 8 minutes so that a rerun of the failed steps still f
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -72,3 +73,47 @@ def test_a_rerun_keeps_the_lines_of_the_steps_it_does_not_run(tmp_path):
     assert lines[:2] == ["kernels\tok\t80\t85", "parity\tTIMEOUT after 35s\t40\t35"]
     assert [line.split("\t")[0] for line in lines] == ["kernels", "parity", "summary"]
     assert "| parity | TIMEOUT after 35s |" in (out / "summary.md").read_text()
+
+
+def test_summary_shows_the_roofline_and_a_crashed_contender(tmp_path):
+    """The table printed last (the device call's output tail) carries the kernels' % of the roofline, which
+    limits were used, and a contender that crashed or a bench cut short."""
+    (tmp_path / "steps.tsv").write_text(
+        "hardware\tok\t3\t10\nadamw\tok\t30\t45\nloss\tok\t20\t40\ne2e\tTIMEOUT after 80s\t85\t80\n"
+    )
+    limits = {
+        "copy_bytes_per_s": 4.3e12,
+        "matmul_flops_per_s": 7.9e14,
+        "source": "quoted H200 figures, not measured (x)",
+    }
+    (tmp_path / "hardware.json").write_text(json.dumps({"limits": limits}))
+    lim = {"percent_of_limit": 61.6}
+    (tmp_path / "adamw_gpu.json").write_text(json.dumps({
+        "results": [{
+            "model": "gpt2-124M", "dtype": "float32", "reference_ms": {"ref_step": 1.0, "ref_clip_step": 1.5},
+            "reference_roofline": {"step": lim, "clip_step": {"percent_of_limit": 40.0}},
+            "variants": [{"variant": "default (triton)", "median_ms": {"step": 0.8, "clip_step": 0.9},
+                          "roofline": {"step": lim, "clip_step": {"percent_of_limit": 80.4}}}],
+        }],
+        "default_backend_decision": {"verdict": "triton"},
+    }))  # fmt: skip
+    (tmp_path / "loss_gpu.json").write_text(json.dumps({
+        "results": [{"case": "cross_entropy", "tokens": 8192, "vocab": 151936, "impls": {
+            "torch": {"time_ms": 40.0, "roofline": {"percent_of_limit": 22.0}},
+            "fasttrain": {"time_ms": 20.0, "roofline": {"percent_of_limit": 44.0}},
+            "liger": {"error": "RuntimeError: x"},
+        }}],
+    }))  # fmt: skip
+    (tmp_path / "bench_e2e_gpu.json").write_text(json.dumps({
+        "complete": False, "runs_done": 5, "runs_planned": 6,
+        "comparison": {"fasttrain_vs_reference": {"tokens_per_s_ratio": 1.5, "peak_memory_ratio": 0.5}},
+        "failed": {"liger": "the liger run exited with code 1; last lines of its log:\nImportError: no sm_90"},
+    }))  # fmt: skip
+    summarize = ROOT / "benchmarks" / "gpu" / "summarize.py"
+    proc = subprocess.run([sys.executable, str(summarize), str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "summary.md").read_text()
+    assert "| hardware | ok | 3 / 10 | copy 4,300 GB/s, matmul 790 TFLOP/s: quoted H200 figures" in text
+    assert "torch 1.50 ms (40% lim), triton 0.90 ms (80% lim); backend verdict triton" in text
+    assert "cross_entropy 8192x151936: torch 40.0 ms (22%), fasttrain 20.0 ms (44%)" in text
+    assert "PARTIAL (5 of 6 runs)" in text and "liger FAILED: ImportError: no sm_90" in text

@@ -100,7 +100,10 @@ def linear_loss_cost(
 
 
 def fmt_percent(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.0f}%"
+    """Whole percents, two significant digits below 10% (a CPU smoke run is far below 1%)."""
+    if value is None:
+        return "n/a"
+    return f"{value:.0f}%" if value >= 10 else f"{value:.2g}%"
 
 
 # ------------------------------------------------------------------------------------------------

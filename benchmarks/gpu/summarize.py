@@ -14,6 +14,8 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import roofline  # beside this script (torch is imported only to measure, never here)
+
 
 def _junit(path: Path) -> str:
     root = ET.parse(path).getroot()
@@ -36,9 +38,12 @@ def _parity(path: Path) -> str:
 
 
 def _bench(path: Path) -> str:
-    """`fasttrain bench --json`: each contender's tokens/s and peak memory against the reference."""
+    """`fasttrain bench --json`: each contender's tokens/s and peak memory against the reference; a contender
+    that crashed, with its error; a file the bench wrote before it was cut short says so."""
     data = json.loads(path.read_text())
     parts = []
+    if data.get("complete") is False:
+        parts.append(f"PARTIAL ({data.get('runs_done')} of {data.get('runs_planned')} runs)")
     for key, vs in data["comparison"].items():
         if not key.endswith("_vs_reference"):
             continue
@@ -48,7 +53,56 @@ def _bench(path: Path) -> str:
         if worst.get("metric"):
             part += f", max metric diff {worst['max_rel']:.1e} ({worst['metric']})"
         parts.append(part)
+    for name, error in data.get("failed", {}).items():
+        last = [line for line in error.splitlines() if line.strip()][-1:] or [""]
+        parts.append(f"{name} FAILED: {last[0].strip()[:120]}")
     return "; ".join(parts)
+
+
+def _hardware(path: Path) -> str:
+    limits = json.loads(path.read_text())["limits"]
+    return (
+        f"copy {limits['copy_bytes_per_s'] / 1e9:,.0f} GB/s, matmul {limits['matmul_flops_per_s'] / 1e12:,.3g} "
+        f"TFLOP/s: {limits['source']}"
+    )
+
+
+def _pct(entry: dict | None) -> str:
+    return roofline.fmt_percent((entry or {}).get("percent_of_limit"))
+
+
+def _adamw(path: Path) -> str:
+    """Clip + step of Triton's default mode and of torch's fused AdamW, each with its % of the roofline."""
+    data = json.loads(path.read_text())
+    parts = []
+    for r in data["results"]:
+        ours = next(
+            (v for v in r["variants"] if v["variant"] == "default (triton)" and "median_ms" in v), None
+        )
+        part = f"{r['model']} {r['dtype']} clip+step: torch {r['reference_ms']['ref_clip_step']:.2f} ms "
+        part += f"({_pct(r['reference_roofline']['clip_step'])} lim)"
+        if ours is not None:
+            part += f", triton {ours['median_ms']['clip_step']:.2f} ms ({_pct(ours['roofline']['clip_step'])} lim)"
+        parts.append(part)
+    return "; ".join(parts) + f"; backend verdict {data['default_backend_decision']['verdict']}"
+
+
+def _loss(path: Path) -> str:
+    """Per case and shape: each implementation's time with its % of the roofline."""
+    data = json.loads(path.read_text())
+    parts = []
+    for r in data["results"]:
+        cells = []
+        for impl, x in (r["impls"] if isinstance(r["impls"], dict) else {}).items():
+            if isinstance(x, dict) and x.get("time_ms") is not None:
+                cells.append(f"{impl} {x['time_ms']:.1f} ms ({_pct(x.get('roofline'))})")
+        parts.append(f"{r.get('case', '')} {r['tokens']}x{r['vocab']}: " + (", ".join(cells) or "no timing"))
+    return "; ".join(parts) + " (% of the roofline)"
+
+
+def _compile(path: Path) -> str:
+    done = json.loads(_last_line(path))
+    return f"{done['done'] - done['failed']} of {done['done']} kernel variants compiled for sm_90"
 
 
 def _last_line(path: Path) -> str:
@@ -64,9 +118,11 @@ HEADLINES = {
     "e2e": [("bench_e2e_gpu.json", _bench), ("bench_e2e_gpu_smoke.json", _bench)],
     "trl-sft": [("bench_sft_gpu.json", _bench), ("bench_sft_gpu_smoke.json", _bench)],
     "trl-dpo": [("bench_dpo_gpu.json", _bench), ("bench_dpo_gpu_smoke.json", _bench)],
-    "adamw": [("adamw_gpu.md", None), ("adamw_gpu_smoke.md", None)],
-    "loss": [("loss_gpu.md", None), ("loss_gpu_smoke.md", None)],
-    "loss-trl": [("loss_trl_gpu.md", None), ("loss_trl_gpu_smoke.md", None)],
+    "hardware": [("hardware.json", _hardware), ("hardware_smoke.json", _hardware)],
+    "compile": [("logs/compile.log", _compile)],
+    "adamw": [("adamw_gpu.json", _adamw), ("adamw_gpu_smoke.json", _adamw)],
+    "loss": [("loss_gpu.json", _loss), ("loss_gpu_smoke.json", _loss)],
+    "loss-trl": [("loss_trl_gpu.json", _loss), ("loss_trl_gpu_smoke.json", _loss)],
     "environment": [("environment.md", None)],
 }
 
