@@ -18,7 +18,10 @@ converted by transformers' own ``BatchEncoding`` exactly as ``tokenizer.pad`` co
 whole batch is handed to the transformers class when it needs something the native path does not
 model (``mlm=True``, a tokenizer that overrides ``pad``, examples that are neither mappings nor
 bare token lists, ``return_tensors`` other than "pt"/"np", 4-d attention masks, ragged batches with
-``return_tensors="np"``). Each such hand-over is logged once.
+``return_tensors="np"``, padding-free batches with empty examples where transformers keeps them). Each such
+hand-over is logged once. And every batch goes to the transformers class when ``collator_probe.refusal`` finds
+that the installed transformers has drifted from what these were written against (a collator field they do
+not know, or other batches on the probes it runs once per process).
 
 Bad input raises ValueError/TypeError/KeyError naming the example and the key; where transformers
 would fail later with a generic message or return mismatched shapes, these raise up front. Token ids
@@ -33,13 +36,14 @@ from typing import Any
 
 import numpy as np
 import torch
+import transformers
 from transformers.data import data_collator as hf
 from transformers.tokenization_utils_base import BatchEncoding, PreTrainedTokenizerBase
 from transformers.utils import PaddingStrategy
 from transformers.utils.generic import to_py_obj
 
 from .._logging import log_once
-from . import _rows
+from . import _rows, collator_probe
 from ._rows import HandOver, Rows, column, read, round_up
 
 __all__ = [
@@ -197,18 +201,23 @@ class DataCollatorWithPadding(hf.DataCollatorWithPadding):
     fasttrain_native = True
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        if collator_probe.refusal(self) is not None:
+            return super().__call__(features)
         try:
-            padded = _pad(
-                self.tokenizer,
-                features,
-                padding=self.padding,
-                max_length=self.max_length,
-                pad_to_multiple_of=self.pad_to_multiple_of,
-                return_tensors=self.return_tensors,
-            )
+            return self._native_call(features)
         except HandOver as why:
             _rows.hand_over(self, why)
             return super().__call__(features)
+
+    def _native_call(self, features: Any) -> dict[str, Any]:
+        padded = _pad(
+            self.tokenizer,
+            features,
+            padding=self.padding,
+            max_length=self.max_length,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            return_tensors=self.return_tensors,
+        )
         batch = BatchEncoding(_tensors(padded, self.return_tensors))
         if "label" in batch:
             batch["labels"] = batch["label"]
@@ -234,28 +243,35 @@ class DataCollatorForLanguageModeling(hf.DataCollatorForLanguageModeling):
         return self._call(examples, "np")
 
     def _call(self, examples: list[Any], return_tensors: str) -> dict[str, Any]:
+        parent = super().torch_call if return_tensors == "pt" else super().numpy_call
+        if collator_probe.refusal(self) is not None:
+            return parent(examples)
         try:
-            if self.mlm:
-                raise HandOver("mlm=True (masked LM)")
-            examples = _rows.as_example_list(examples)
-            if examples and not isinstance(examples[0], Mapping):
-                batch = self._collate_sequences(examples, return_tensors)
-            else:
-                if self.tokenizer.model_input_names[:1] != ["input_ids"]:
-                    raise HandOver("the tokenizer's main input is not input_ids")
-                batch = _pad(
-                    self.tokenizer,
-                    examples,
-                    padding=True,
-                    max_length=None,
-                    pad_to_multiple_of=self.pad_to_multiple_of,
-                    return_tensors=return_tensors,
-                )
-                batch = BatchEncoding(batch)
+            return self._native_call(examples, return_tensors)
         except HandOver as why:
             _rows.hand_over(self, why)
-            parent = super().torch_call if return_tensors == "pt" else super().numpy_call
             return parent(examples)
+
+    def _native_call(self, examples: Any, return_tensors: str | None = None) -> dict[str, Any]:
+        if return_tensors is None:
+            return_tensors = self.return_tensors
+        if self.mlm:
+            raise HandOver("mlm=True (masked LM)")
+        examples = _rows.as_example_list(examples)
+        if examples and not isinstance(examples[0], Mapping):
+            batch = self._collate_sequences(examples, return_tensors)
+        else:
+            if self.tokenizer.model_input_names[:1] != ["input_ids"]:
+                raise HandOver("the tokenizer's main input is not input_ids")
+            batch = _pad(
+                self.tokenizer,
+                examples,
+                padding=True,
+                max_length=None,
+                pad_to_multiple_of=self.pad_to_multiple_of,
+                return_tensors=return_tensors,
+            )
+            batch = BatchEncoding(batch)
         batch.pop("special_tokens_mask", None)
         batch.pop("offset_mapping", None)
         labels = batch["input_ids"].copy()
@@ -304,15 +320,17 @@ class DataCollatorForSeq2Seq(hf.DataCollatorForSeq2Seq):
     fasttrain_native = True
 
     def __call__(self, features: list[dict[str, Any]], return_tensors: str | None = None) -> dict[str, Any]:
-        if return_tensors is None:
-            return_tensors = self.return_tensors
+        if collator_probe.refusal(self) is not None:
+            return super().__call__(features, return_tensors)
         try:
             return self._native_call(features, return_tensors)
         except HandOver as why:
             _rows.hand_over(self, why)
             return super().__call__(features, return_tensors)
 
-    def _native_call(self, features: Any, return_tensors: str) -> dict[str, Any]:
+    def _native_call(self, features: Any, return_tensors: str | None = None) -> dict[str, Any]:
+        if return_tensors is None:
+            return_tensors = self.return_tensors
         features = _rows.example_mappings(features)
         first = features[0]
         label_name = "label" if "label" in first else "labels"
@@ -375,20 +393,30 @@ class DataCollatorWithFlattening(hf.DataCollatorWithFlattening):
         return_tensors: str | None = None,
         separator_id: int | None = None,
     ) -> dict[str, Any]:
-        if return_tensors is None:
-            return_tensors = self.return_tensors
-        if separator_id is None:
-            separator_id = self.separator_id
+        if collator_probe.refusal(self) is not None:
+            return super().__call__(features, return_tensors, separator_id)
         try:
-            if return_tensors not in _NATIVE_TENSORS:
-                raise HandOver(f"return_tensors={return_tensors!r}")
-            features = _rows.as_example_list(features)
+            return self._native_call(features, return_tensors, separator_id)
         except HandOver as why:
             _rows.hand_over(self, why)
             return super().__call__(features, return_tensors, separator_id)
 
+    def _native_call(
+        self, features: Any, return_tensors: str | None = None, separator_id: int | None = None
+    ) -> dict[str, Any]:
+        if return_tensors is None:
+            return_tensors = self.return_tensors
+        if separator_id is None:
+            separator_id = self.separator_id
+        if return_tensors not in _NATIVE_TENSORS:
+            raise HandOver(f"return_tensors={return_tensors!r}")
+        features = _rows.as_example_list(features)
         ids = read(column(features, "input_ids"), "input_ids")
         kept = np.flatnonzero(ids.lengths > 0)  # transformers drops empty examples first
+        if len(kept) < len(ids.lengths) and not collator_probe.flattening_drops_empty_examples(
+            transformers.__version__
+        ):
+            raise HandOver(f"empty examples (transformers {transformers.__version__} keeps them)")
         if len(kept) == 0:
             raise ValueError("DataCollatorWithFlattening received a batch where every example is empty.")
         ids = Rows(ids.values, ids.lengths[kept])
@@ -441,6 +469,7 @@ _EQUIVALENTS: dict[type, type] = {
     hf.DataCollatorForSeq2Seq: DataCollatorForSeq2Seq,
     hf.DataCollatorWithFlattening: DataCollatorWithFlattening,
 }
+_NATIVE = frozenset(_EQUIVALENTS.values())  # the classes whose batches collator_probe checks
 
 
 def _qualified(obj: Any) -> str:
@@ -474,14 +503,23 @@ def native_equivalent(collator: object) -> object | None:
     ``collator`` must be an instance of exactly one of the replaced classes (transformers' four, TRL's
     language-modeling and preference collators); a user subclass may change behaviour, so it is left
     alone. Ours are returned as they are. A masked-LM collator (``mlm=True``) gives None: transformers'
-    object does that work.
+    object does that work. So does a transformers collator that ``collator_probe.refusal`` refuses (a field
+    the native path does not know, or a transformers release whose batches differ from ours on the probes).
     """
     if getattr(type(collator), "fasttrain_native", False):
         return collator
     ours = _equivalents_for(type(collator)).get(type(collator))
     if ours is None or (ours is DataCollatorForLanguageModeling and collator.mlm):
         return None
-    # Copy the settings as they are after __post_init__ (no second validation, no re-derivation).
+    twin = _twin(ours, collator)
+    if ours in _NATIVE and collator_probe.refusal(twin) is not None:
+        return None  # a field we do not know, or this transformers makes other batches: keep its collator
+    return twin
+
+
+def _twin(ours: type, collator: object) -> object:
+    """An instance of ``ours`` with ``collator``'s settings as they are after ``__post_init__`` (no second
+    validation, no re-derivation)."""
     twin = ours.__new__(ours)
     twin.__dict__.update(vars(collator))
     return twin
@@ -494,6 +532,10 @@ def why_no_native_equivalent(collator: object) -> str:
     equivalents = _equivalents_for(cls)
     if equivalents.get(cls) is DataCollatorForLanguageModeling and getattr(collator, "mlm", False):
         return f"{name} with mlm=True (masked LM) keeps transformers' masking"
+    ours = equivalents.get(cls)
+    why = collator_probe.refusal(_twin(ours, collator)) if ours in _NATIVE else None
+    if why is not None:
+        return why
     replaced = next((base for base in cls.__mro__[1:] if base in equivalents), None)
     if replaced is not None and not inspect.isroutine(collator):
         return f"{name} subclasses {_qualified(replaced)} and may change what it does, so it is kept"
