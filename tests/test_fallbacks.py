@@ -15,6 +15,7 @@ import transformers
 from accelerate.utils import DistributedType
 
 import _tiny as tiny
+import _truth
 import fasttrain
 from fasttrain import FusedAdamW, HotPaths, integration
 
@@ -85,15 +86,20 @@ class _GradNormProbe(transformers.TrainerCallback):
 
 def test_a_callback_reading_gradients_sees_them_clipped_as_under_transformers(tmp_path, caplog):
     probes = []
-    for cls in (transformers.Trainer, fasttrain.Trainer):
-        trainer = _trainer(tmp_path / cls.__module__, cls, max_grad_norm=0.01)
+    # the reference, the float64 truth (the reference on a float64 twin), then fasttrain
+    runs = [(transformers.Trainer, None), (transformers.Trainer, _truth.float64_twin(tiny.model("llama"))),
+            (fasttrain.Trainer, None)]
+    for index, (cls, model) in enumerate(runs):
+        trainer = _trainer(tmp_path / str(index), cls, model=model, max_grad_norm=0.01)
         probes.append(_GradNormProbe())
         trainer.add_callback(probes[-1])
         with caplog.at_level(logging.INFO, logger="fasttrain"):
             trainer.train()
-    ref, ours = probes
+    ref, truth, ours = probes
     assert ref.norms == pytest.approx([0.01] * 2, rel=1e-3)  # the probe does see clipped gradients
-    assert ours.norms == pytest.approx(ref.norms, rel=1e-5)
+    assert len(ours.norms) == len(ref.norms) == len(truth.norms)
+    for step, (b, a, t) in enumerate(zip(ours.norms, ref.norms, truth.norms, strict=True), start=1):
+        _truth.assert_scalar_near_truth(f"step {step} clipped gradient norm", b, a, t, _truth.FP32_STEP)
     assert trainer.fasttrain_status["clip"] == (
         "off: callback _GradNormProbe.on_pre_optimizer_step reads gradients between the clip and the step"
         if tiny.FUSED_CLIP else tiny.all_on_status()["clip"]

@@ -15,6 +15,7 @@ import torch
 import transformers
 
 import _tiny
+import _truth
 from fasttrain.loss.model_patch import enable_fused_loss, fused_loss_calls, set_eval_fused
 
 
@@ -56,7 +57,9 @@ def test_eval_loss_equals_transformers(mask_every, label, tmp_path):
     if mask_every == 1:
         assert math.isnan(ref) and math.isnan(ours), (label, ref, ours)
     else:
-        assert math.isfinite(ref) and abs(ours - ref) <= 1e-5 * abs(ref), (label, ref, ours)
+        truth = _eval_loss(_truth.float64_twin(base), dataset, tmp_path / "f64", fused=False)
+        assert math.isfinite(ref), label
+        _truth.assert_scalar_near_truth(f"eval_loss ({label})", ours, ref, truth, _truth.FP32_STEP)
 
 
 def test_fully_masked_batch_loss_is_nan_like_transformers():
