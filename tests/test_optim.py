@@ -1,14 +1,14 @@
 """FusedAdamW (torch backend, larger shapes) against torch.optim.AdamW and clip_grad_norm_ + AdamW, in every mode.
 
-Parameters are compared per tensor relative to their update (``assert_tracks``). Tolerances: fp32 1e-5; bf16 and
-fp16 5% of the update; both plus one rounding step of the parameter (with clipping, torch rounds the clipped gradient to the parameter's
-dtype before its step and we do not: a rounding of the gradient becomes a rounding step of an element; measured
-1.5% for bf16, 0.5% for fp16 after 12 steps). A missing weight decay (0.1% of the parameter per step, 10% of an
-update) or a wrong bias correction is far outside them.
+Bounds come from the truth (tests/_truth_ops.py): torch's AdamW in float64 on the same start values and the same
+gradients. Per tensor, ours may be at most ``k`` times as far from it as torch's AdamW in our dtype, plus a floor
+of a rounding step of the parameter's dtype. A missing weight decay (0.1% of the parameter per step, 10% of an
+update) or a wrong bias correction moves a parameter by far more than its dtype's roundings.
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 
@@ -17,29 +17,43 @@ import torch
 
 from _optim_reference import (
     LARGE_SHAPES,
-    assert_tracks,
+    assert_tracks_truth,
     clone_params,
+    copy_grads_to_truth,
     make_params,
     quadratic_run,
     run_pair,
     set_grads,
     snapshot,
     state_bytes,
+    truth_adamw,
     two_groups,
 )
+from _truth_ops import assert_truth, distance, magnitude
 from fasttrain import FusedAdamW
+from fasttrain.optim import blockwise8
 
 LOW = (torch.bfloat16, torch.float16)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CLIP = 200.0  # the gradients' norm is ~537: clipping is active, and the clipped gradients stay above fp16's subnormals
 
 
-def tolerance(dtype):
-    return {"rtol": 1e-5} if dtype == torch.float32 else {"rtol": 0.05}
+# The same fp32 arithmetic, rounded once per stored value like torch's: twice torch's distance to the truth, plus
+# one rounding step of the parameter's dtype (a tensor of one element, rounded the other way once).
+TRACK = {"k": 2.0, "ulps": 1.0}
+# Gradient norms: fp32 sums of ~10^5 squares in another order (a few fp32 ulps), then rounded to the gradients'
+# dtype like torch's (one rounding step of a bf16/fp16 norm).
+NORM_FP32 = {"k": 2.0, "ulps": 4.0, "dtype": torch.float32}
 
 
-def norm_rtol(dtype):
-    return 1e-6 if dtype == torch.float32 else torch.finfo(dtype).eps  # one rounding step of the norm's dtype
+def norm_bound(dtype):
+    return NORM_FP32 if dtype == torch.float32 else {"k": 2.0, "ulps": 1.0, "dtype": dtype}
+
+
+def assert_norms(norms, dtype):
+    for step, (n_ours, n_ref, n_truth) in enumerate(norms):
+        assert n_ours.shape == () and n_ours.dtype == n_ref.dtype
+        assert_truth(n_ours, n_ref, n_truth, **norm_bound(dtype), what=f"norm at step {step}")
 
 
 # -- default mode = the reference ------------------------------------------------------------------------------
@@ -51,17 +65,16 @@ def norm_rtol(dtype):
 def test_default_matches_torch_fused(dtype, clip, amsgrad, maximize):
     ours_p = make_params(LARGE_SHAPES, dtype=dtype)
     ref_p = clone_params(ours_p)
-    start = snapshot(ours_p)
     ours = FusedAdamW(two_groups(ours_p), lr=1e-2, amsgrad=amsgrad, maximize=maximize, backend="torch")
     ref = torch.optim.AdamW(two_groups(ref_p), lr=1e-2, amsgrad=amsgrad, maximize=maximize, fused=True)
-    norms = run_pair(ours, ref, ours_p, ref_p, steps=12, clip=clip, lr_change_at=6)
-    for n_ours, n_ref in norms:
-        torch.testing.assert_close(n_ours, n_ref, rtol=norm_rtol(dtype), atol=0)
+    truth = truth_adamw(ours_p, two_groups, lr=1e-2, amsgrad=amsgrad, maximize=maximize)
+    norms = run_pair(ours, ref, ours_p, ref_p, steps=12, clip=clip, lr_change_at=6, truth=truth)
+    assert_norms(norms, dtype)
     if clip is None:
         # without a clip, the torch backend of the default mode is torch's own kernel call on the same tensors
         for a, b in zip(ours_p, ref_p, strict=True):
             assert torch.equal(a, b)
-    assert_tracks(ours_p, ref_p, start, **tolerance(dtype))
+    assert_tracks_truth(ours_p, ref_p, truth[1], **TRACK)
     # same state, same memory: the keys, dtypes and shapes of torch's, and the moments track torch's
     sd_ours, sd_ref = ours.state_dict()["state"], ref.state_dict()["state"]
     for i in sd_ref:
@@ -70,10 +83,9 @@ def test_default_matches_torch_fused(dtype, clip, amsgrad, maximize):
             assert (sd_ours[i][key].dtype, sd_ours[i][key].shape) == (value.dtype, value.shape), key
         assert float(sd_ours[i]["step"]) == float(sd_ref[i]["step"]) == 12
     assert state_bytes(ours) == state_bytes(ref)
-    zeros = [torch.zeros_like(p) for p in ours_p]
-    assert_tracks(
-        [ours.state[p]["exp_avg"] for p in ours_p], [ref.state[q]["exp_avg"] for q in ref_p], zeros,
-        **tolerance(dtype), what="exp_avg",
+    assert_tracks_truth(
+        [ours.state[p]["exp_avg"] for p in ours_p], [ref.state[q]["exp_avg"] for q in ref_p],
+        [truth[0].state[t]["exp_avg"] for t in truth[1]], **TRACK, what="exp_avg",
     )  # fmt: skip
 
 
@@ -83,25 +95,29 @@ def test_default_fp32_matches_torch_foreach(clip):
     # the default mode is the fused one (tested above)
     ours_p = make_params(LARGE_SHAPES)
     ref_p = clone_params(ours_p)
-    start = snapshot(ours_p)
     ours = FusedAdamW(two_groups(ours_p), lr=1e-2, amsgrad=True, backend="torch")
     ref = torch.optim.AdamW(two_groups(ref_p), lr=1e-2, amsgrad=True, foreach=True)
-    run_pair(ours, ref, ours_p, ref_p, steps=12, clip=clip, lr_change_at=6)
-    assert_tracks(ours_p, ref_p, start, rtol=1e-5)
+    truth = truth_adamw(ours_p, two_groups, lr=1e-2, amsgrad=True)
+    norms = run_pair(ours, ref, ours_p, ref_p, steps=12, clip=clip, lr_change_at=6, truth=truth)
+    assert_norms(norms, torch.float32)
+    assert_tracks_truth(ours_p, ref_p, truth[1], **TRACK)
 
 
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.float16])
 def test_grad_scaler_matches_torch_and_skips_inf_step(param_dtype):
     ours_p = make_params(LARGE_SHAPES[:6], dtype=param_dtype)
     ref_p = clone_params(ours_p)
-    start = snapshot(ours_p)
     ours = FusedAdamW(ours_p, lr=1e-3, backend="torch")
     ref = torch.optim.AdamW(ref_p, lr=1e-3, fused=True)
+    truth, truth_p = truth_adamw(ours_p, lr=1e-3)
     scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000) for _ in range(2)]
     for s in scalers:
         s.scale(torch.ones(()))  # creates the scale, as scaling the loss would
     for step in range(6):
         set_grads([ours_p, ref_p], step, scale=1024.0)
+        if step != 3:  # the truth skips the step the inf is in, and unscales by the same power of two
+            copy_grads_to_truth(ours_p, truth_p, divide=scalers[0].get_scale())
+            truth.step()
         if step == 3:
             for ps in (ours_p, ref_p):
                 ps[3].grad.view(-1)[0] = float("inf")
@@ -116,40 +132,40 @@ def test_grad_scaler_matches_torch_and_skips_inf_step(param_dtype):
                 assert torch.equal(p.detach(), b)
                 for k, v in st.items():
                     assert torch.equal(ours.state[p][k], v), k
-    assert_tracks(ours_p, ref_p, start, **tolerance(param_dtype))
+    assert_tracks_truth(ours_p, ref_p, truth_p, **TRACK)
     assert float(ours.state[ours_p[0]]["step"]) == 5
 
 
 def test_tensor_lr_equals_float_lr():
     a = make_params(LARGE_SHAPES[:5])
     b = clone_params(a)
-    start = snapshot(a)
     oa = FusedAdamW(a, lr=torch.tensor(3e-3), backend="torch")
     ob = FusedAdamW(b, lr=3e-3, backend="torch")
-    for step in range(4):
-        set_grads([a, b], step)
-        oa.step()
-        ob.step()
-    assert_tracks(a, b, start, rtol=1e-5)  # torch computes with a tensor lr in fp32, with a float in fp64
+    truth = truth_adamw(a, lr=3e-3)
+    run_pair(oa, ob, a, b, steps=4, truth=truth)
+    # torch computes with a tensor lr in fp32, with a float in fp64: the tensor lr's rounding is the difference
+    assert_tracks_truth(a, b, truth[1], **TRACK)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0])
 def test_clip_norm_value_and_result(norm_type):
     ours_p = make_params(LARGE_SHAPES)
     ref_p = clone_params(ours_p)
-    start = snapshot(ours_p)
     ours = FusedAdamW(ours_p, lr=1e-2, backend="torch")
     ref = torch.optim.AdamW(ref_p, lr=1e-2, fused=True)
+    truth, truth_p = truth_adamw(ours_p, lr=1e-2)
     for step in range(3):
         set_grads([ours_p, ref_p], step)
+        copy_grads_to_truth(ours_p, truth_p)
         n_ours = ours.defer_clip_grad_norm_(0.7, norm_type=norm_type)
         n_ref = torch.nn.utils.clip_grad_norm_(ref_p, 0.7, norm_type=norm_type)
+        n_truth = torch.nn.utils.clip_grad_norm_(truth_p, 0.7, norm_type=norm_type)
         assert n_ours.shape == () and n_ours.device == n_ref.device
-        torch.testing.assert_close(n_ours, n_ref, rtol=1e-6, atol=0)
-        ours.step()
-        ref.step()
+        assert_truth(n_ours, n_ref, n_truth, **NORM_FP32, what=f"norm at step {step}")
+        for opt in (ours, ref, truth):
+            opt.step()
     assert ours.deferred_clips_applied == 3
-    assert_tracks(ours_p, ref_p, start, rtol=1e-5)
+    assert_tracks_truth(ours_p, ref_p, truth_p, **TRACK)
 
 
 def test_nonfinite_norm_gives_what_torch_gives():
@@ -224,18 +240,20 @@ def test_float32_states_for_bf16_params_equal_fp32_math_rounded(clip):
     """bf16 parameters with fp32 moments: torch's fused AdamW on fp32 copies, each result rounded to bf16."""
     ours_p = make_params(LARGE_SHAPES, dtype=torch.bfloat16)
     ref_p = [torch.nn.Parameter(p.detach().float()) for p in ours_p]
-    start = snapshot(ours_p)
     ours = FusedAdamW(two_groups(ours_p), lr=1e-2, backend="torch", state_dtype=torch.float32)
     ref = torch.optim.AdamW(two_groups(ref_p), lr=1e-2, fused=True)
+    truth, truth_p = truth_adamw(ours_p, two_groups, lr=1e-2)
     for step in range(8):
         set_grads([ours_p], step)
+        copy_grads_to_truth(ours_p, truth_p)
         for q, p in zip(ref_p, ours_p, strict=True):
             q.grad = p.grad.float()
         if clip is not None:
             ours.defer_clip_grad_norm_(clip)
             torch.nn.utils.clip_grad_norm_(ref_p, clip)
-        ours.step()
-        ref.step()
+            torch.nn.utils.clip_grad_norm_(truth_p, clip)
+        for opt in (ours, ref, truth):
+            opt.step()
         with torch.no_grad():
             for q in ref_p:
                 q.copy_(q.bfloat16().float())
@@ -243,7 +261,7 @@ def test_float32_states_for_bf16_params_equal_fp32_math_rounded(clip):
         assert ours.state[p]["exp_avg"].dtype == torch.float32
         if clip is None:
             assert torch.equal(p.float(), q)  # the same fp32 kernel on the same values, one rounding
-    assert_tracks(ours_p, ref_p, start, rtol=0.05)
+    assert_tracks_truth(ours_p, [q.bfloat16() for q in ref_p], truth_p, **TRACK)
     assert state_bytes(ours) == 8 * sum(p.numel() for p in ours_p)
 
 
@@ -258,17 +276,28 @@ def test_8bit_tracks_fp32_states(dtype, amsgrad):
     start = snapshot(a)
     oa = FusedAdamW(two_groups(a), lr=1e-2, amsgrad=amsgrad, backend="torch", state_dtype="8bit")
     ob = FusedAdamW(two_groups(b), lr=1e-2, amsgrad=amsgrad, backend="torch", state_dtype=torch.float32)
+    truth, truth_p = truth_adamw(a, two_groups, lr=1e-2, amsgrad=amsgrad)
     for step in range(20):
         set_grads([a, b], step, scale=1 + 0.5 * (step % 3))
+        copy_grads_to_truth(a, truth_p)
         oa.defer_clip_grad_norm_(CLIP)
         ob.defer_clip_grad_norm_(CLIP)
-        oa.step()
-        ob.step()
+        torch.nn.utils.clip_grad_norm_(truth_p, CLIP)
+        for opt in (oa, ob, truth):
+            opt.step()
     big = [i for i, p in enumerate(a) if p.numel() >= 4096]
     small = [i for i, p in enumerate(a) if p.numel() < 4096]
-    # measured: 1.5% (fp32), 6% (bf16: bf16 roundings on top) of the update after 20 steps
-    tol = {"rtol": 0.05} if dtype == torch.float32 else {"rtol": 0.15}
-    assert_tracks([a[i] for i in big], [b[i] for i in big], [start[i] for i in big], **tol)
+    # The reference is the fp32-moment mode (the same step on unquantized moments). On top of its distance to the
+    # truth, 8-bit moments may cost what the format allows: each step requantizes m and v to within half a gap of
+    # the dynamic maps (relative, in a block's top decade), so an update m / sqrt(v) is off by at most
+    # half_gap(m) + half_gap(v) / 2 of itself; at worst those add up over the steps to that share of the update.
+    tables = blockwise8.tables(torch.device("cpu"))
+    share = _half_gap(tables[blockwise8.SIGNED]) + _half_gap(tables[blockwise8.UNSIGNED]) / 2
+    for i in big:
+        d_ours, d_ref = distance(a[i], truth_p[i]), distance(b[i], truth_p[i])
+        update = distance(truth_p[i], start[i])
+        allowed = 2.0 * d_ref + share * update + torch.finfo(dtype).eps * magnitude(truth_p[i])
+        assert d_ours <= allowed, (i, d_ours, d_ref, share, update)
     for i in small:  # below min_8bit_size: fp32 moments, the same computation
         assert torch.equal(a[i], b[i])
         assert oa.state[a[i]]["exp_avg"].dtype == torch.float32
@@ -281,6 +310,13 @@ def test_8bit_tracks_fp32_states(dtype, amsgrad):
     assert oa.deferred_clips_applied == 20
     # 2 bytes + 8 per 256 elements for the quantized tensors, 8 bytes for the small ones
     assert state_bytes(oa) <= 0.3 * state_bytes(ob)
+
+
+def _half_gap(dynamic_map) -> float:
+    """Half the largest relative gap between neighbouring entries of a dynamic map in its top decade."""
+    entries = dynamic_map.double().abs().unique()
+    top = entries[entries >= 0.1]
+    return float(((top[1:] - top[:-1]) / top[1:]).max()) / 2
 
 
 def test_8bit_threshold():
@@ -352,14 +388,19 @@ def test_8bit_skipped_step_leaves_codes():
 
 @pytest.mark.parametrize("state_dtype", [None, "8bit"])
 def test_stochastic_rounding_tracks_fp32(state_dtype):
-    ref, start = quadratic_run(torch.float32, 100, "torch")
+    steps = 100
+    truth, _ = quadratic_run(torch.float64, steps, "torch")
+    ref, _ = quadratic_run(torch.float32, steps, "torch")
     kwargs = {"state_dtype": state_dtype, "min_8bit_size": 1024}
-    nearest, _ = quadratic_run(torch.bfloat16, 100, "torch", **kwargs)
-    sr, _ = quadratic_run(torch.bfloat16, 100, "torch", bf16_stochastic_rounding=True, **kwargs)
-    off_nearest = float((nearest - ref).norm() / (ref - start).norm())
-    off_sr = float((sr - ref).norm() / (ref - start).norm())
-    assert off_nearest > 0.9  # updates below half a bf16 step: nearest rounding loses them all
-    assert off_sr < 0.4, off_sr  # measured: 0.23 (0.24 with 8-bit moments)
+    nearest, _ = quadratic_run(torch.bfloat16, steps, "torch", **kwargs)
+    sr, _ = quadratic_run(torch.bfloat16, steps, "torch", bf16_stochastic_rounding=True, **kwargs)
+    # Each stochastic rounding adds an unbiased error of variance at most (bf16 step)**2 / 4 to an element: over
+    # the steps they add up like a random walk, to at most sqrt(steps / 4) bf16 steps in root mean square.
+    walk = (steps / 4) ** 0.5 * torch.finfo(torch.bfloat16).eps * magnitude(truth)
+    allowed = 2.0 * distance(ref, truth) + walk
+    assert distance(sr, truth) <= allowed, (distance(sr, truth), allowed)
+    # updates below half a bf16 step: nearest rounding loses (nearly) all, and the bound above tells it apart
+    assert distance(nearest, truth) > allowed, (distance(nearest, truth), allowed)
 
 
 def test_stochastic_rounding_only_touches_bf16():
@@ -494,16 +535,17 @@ def test_deferred_clips_counted_only_when_finite():
 def test_auto_backend_on_cpu_uses_torch_and_logs(caplog):
     ps = make_params(LARGE_SHAPES[:3])
     ref_p = clone_params(ps)
-    start = snapshot(ps)
     opt = FusedAdamW(ps, lr=1e-2)
     ref = torch.optim.AdamW(ref_p, lr=1e-2)
+    truth = truth_adamw(ps, lr=1e-2)
     from fasttrain import _logging
 
     _logging._said.discard("fused_adamw.auto.cpu")
     with caplog.at_level(logging.INFO, logger="fasttrain"):
-        run_pair(opt, ref, ps, ref_p, steps=3, clip=1.0)
+        norms = run_pair(opt, ref, ps, ref_p, steps=3, clip=1.0, truth=truth)
     assert "using torch's fused AdamW" in caplog.text
-    assert_tracks(ps, ref_p, start, rtol=1e-5)
+    assert_norms(norms, torch.float32)
+    assert_tracks_truth(ps, ref_p, truth[1], **TRACK)
 
 
 def test_accelerate_wrapped_optimizer():
@@ -512,22 +554,24 @@ def test_accelerate_wrapped_optimizer():
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     ref_model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     ref_model.load_state_dict(model.state_dict())
-    start = snapshot(ref_model.parameters())
     accelerator = accelerate.Accelerator(cpu=True)
     opt = FusedAdamW(model.parameters(), lr=1e-2)
     model, opt = accelerator.prepare(model, opt)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    truth_model = copy.deepcopy(ref_model).double()  # the same training in float64
+    truth = torch.optim.AdamW(truth_model.parameters(), lr=1e-2, foreach=False)
     x = torch.randn(8, 16)
-    for _ in range(5):
-        for m, o in ((model, opt), (ref_model, ref)):
+    for step in range(5):
+        for m, o, inputs in ((model, opt, x), (ref_model, ref, x), (truth_model, truth, x.double())):
             o.zero_grad()
-            m(x).pow(2).mean().backward()
+            m(inputs).pow(2).mean().backward()
         norm = opt.optimizer.defer_clip_grad_norm_(0.1)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.1)
-        torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
-        opt.step()
-        ref.step()
-    assert_tracks(list(model.parameters()), list(ref_model.parameters()), start, rtol=1e-5)
+        truth_norm = torch.nn.utils.clip_grad_norm_(truth_model.parameters(), 0.1)
+        assert_truth(norm, ref_norm, truth_norm, **NORM_FP32, what=f"norm at step {step}")
+        for o in (opt, ref, truth):
+            o.step()
+    assert_tracks_truth(list(model.parameters()), list(ref_model.parameters()), list(truth_model.parameters()), **TRACK)
     sd = opt.state_dict()
     opt.load_state_dict(sd)
     assert float(opt.optimizer.state[next(model.parameters())]["step"]) == 5
