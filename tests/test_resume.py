@@ -1,5 +1,9 @@
 """Checkpoint and resume with fasttrain on: the resumed run ends on the weights of the run that never
-stopped, also after a SIGKILL, and the optimizer state crosses between FusedAdamW and torch AdamW."""
+stopped, also after a SIGKILL, and the optimizer state crosses between FusedAdamW and torch AdamW.
+
+A run resumed by the same implementation repeats the same arithmetic: its weights are equal, bit for bit. A run
+that crosses implementations rounds differently after the checkpoint: it must be about as close to the truth
+(the reference Trainer on the float64 twin, never stopped) as the reference's own float32 run is (``_truth``)."""
 
 from __future__ import annotations
 
@@ -14,18 +18,19 @@ import torch
 import transformers
 
 import _tiny as tiny
+import _truth
 import fasttrain
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "_train_script.py"
 
 
-def _trainer(cls, out, **overrides):
+def _trainer(cls, out, model=None, **overrides):
     tok = tiny.tokenizer()
     args = dict(max_steps=6, save_strategy="steps", save_steps=3)
     args.update(overrides)
     return cls(
-        model=tiny.model("llama"),
+        model=model or tiny.model("llama"),
         args=tiny.training_args(str(out), **args),
         train_dataset=tiny.dataset(),
         data_collator=transformers.DataCollatorForSeq2Seq(tok, padding=True),
@@ -33,10 +38,9 @@ def _trainer(cls, out, **overrides):
     )
 
 
-def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, rtol: float) -> None:
-    # Per tensor, relative to the change training made: FusedAdamW and torch AdamW round differently
-    # (1e-4 of the update); the same implementation resumed must agree to rounding (1e-5).
-    tiny.assert_same_updates(b, a, tiny.model("llama"), rtol)
+def _assert_equal_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), f"{name}: max difference {float((p - q).abs().max()):.3e}"
 
 
 @pytest.fixture(scope="module")
@@ -47,28 +51,39 @@ def uninterrupted(tmp_path_factory):
     return out, trainer.model
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The reference Trainer never stopped (checkpoint-3 kept), and the truth: the same on the float64 twin."""
+    out = tmp_path_factory.mktemp("reference")
+    ref = _trainer(transformers.Trainer, out)
+    ref.train()
+    truth = _trainer(transformers.Trainer, tmp_path_factory.mktemp("truth"),
+                     model=_truth.float64_twin(tiny.model("llama")), save_strategy="no")
+    truth.train()
+    return out, ref.model, truth.model
+
+
 def test_resume_ends_on_the_same_weights(uninterrupted, tmp_path):
     out, full_model = uninterrupted
     resumed = _trainer(fasttrain.Trainer, tmp_path)
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
-    _assert_same_weights(full_model, resumed.model, rtol=1e-5)
+    _assert_equal_weights(full_model, resumed.model)
 
 
-def test_fasttrain_checkpoint_resumes_in_the_reference_trainer(uninterrupted, tmp_path):
-    out, full_model = uninterrupted
-    ref = _trainer(transformers.Trainer, tmp_path)
-    ref.train(resume_from_checkpoint=str(out / "checkpoint-3"))
-    _assert_same_weights(full_model, ref.model, rtol=1e-4)
+def test_fasttrain_checkpoint_resumes_in_the_reference_trainer(uninterrupted, reference, tmp_path):
+    out, _ = uninterrupted
+    _, ref_model, truth_model = reference
+    crossed = _trainer(transformers.Trainer, tmp_path)
+    crossed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    _truth.assert_params_near_truth(crossed.model, ref_model, truth_model)
 
 
-def test_reference_checkpoint_resumes_in_fasttrain(tmp_path):
-    ref = _trainer(transformers.Trainer, tmp_path / "ref")
-    ref.train()
-    ours = _trainer(fasttrain.Trainer, tmp_path / "ours")
-    ours.train(resume_from_checkpoint=str(tmp_path / "ref" / "checkpoint-3"))
+def test_reference_checkpoint_resumes_in_fasttrain(reference, tmp_path):
+    out, ref_model, truth_model = reference
+    ours = _trainer(fasttrain.Trainer, tmp_path)
+    ours.train(resume_from_checkpoint=str(out / "checkpoint-3"))
     assert ours.fasttrain_status["optimizer"] == "on"
-    # the run that continues the reference's checkpoint is compared with the reference's own continuation
-    _assert_same_weights(ref.model, ours.model, rtol=1e-4)
+    _truth.assert_params_near_truth(ours.model, ref_model, truth_model)
 
 
 def test_optimizer_state_loads_into_torch_adamw(uninterrupted, tmp_path):
@@ -106,5 +121,6 @@ def test_sigkill_after_checkpoint_then_resume(tmp_path):
     assert straight.returncode == 0, straight.stderr[-3000:]
     a = torch.load(tmp_path / "final-rank0.pt", weights_only=True)
     b = torch.load(tmp_path / "straight" / "final-rank0.pt", weights_only=True)
-    for name in b:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-7, msg=f"parameter {name}")
+    assert a.keys() == b.keys()
+    for name in b:  # the same script and implementation: the same arithmetic, bit for bit
+        assert torch.equal(a[name], b[name]), f"parameter {name}"
