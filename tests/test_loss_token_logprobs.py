@@ -1,18 +1,26 @@
-"""fused_token_log_probs (TRL's fused LM-head contract) against a float64 plain-logits reference and against
-TRL's own ``ChunkedLogProbFunction``: every per-token output and every gradient, both backends."""
+"""fused_token_log_probs (TRL's fused LM-head contract): every per-token output and every gradient, both backends,
+bounded by the truth.
+
+Each value is compared with the float64 truth (plain logits) and may be at most ``k`` times as far from it as the
+same computation in our dtype with torch's ops, or as TRL's own ``ChunkedLogProbFunction``, plus a floor
+(tests/_truth_ops.py). Top-1 hits are compared where the label's logit margin exceeds the logits' resolution.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from _loss_reference import norm_rel_err, rel_err
+from _loss_reference import as_truth
+from _truth_ops import assert_all_truth, assert_truth
 from fasttrain.loss.token_logprobs import OPTIONAL_OUTPUTS, fused_token_log_probs
 
 ALL = ("log_probs", *OPTIONAL_OUTPUTS)
+OUTPUTS = [name for name in ALL if name != "is_top1"]  # the values; is_top1 is checked through its margin
 HEADS = {  # temperature, logit_scale, softcap, bias
     "plain": (1.0, 1.0, None, False),
     "temperature+scale": (0.7, 1.3, None, False),
@@ -31,6 +39,14 @@ BACKENDS = [
 ]
 
 
+# fp32: the same arithmetic in another order (chunks, online log-sum-exp, speculative gradients): twice the
+# reference's rounding error, plus 4 fp32 roundings of the value where the reference lands on the truth by chance.
+FP32 = {"k": 2.0, "ulps": 4.0}
+# bf16/fp16: both round the logits and their gradients to the input dtype once (~0.3 ulp of the dtype in norm):
+# twice the reference's error; a floor of 1/8 ulp of each output's own dtype stays under it, so k decides.
+HALF = {"k": 2.0, "ulps": 0.125}
+
+
 def _device(backend):
     return "cuda" if torch.cuda.is_available() and backend == "triton" else "cpu"
 
@@ -46,10 +62,12 @@ def make(n, h, v, *, bias, ignore_frac=0.3, seed=0, dtype=torch.float32):
 
 
 def reference(hidden, weight, bias, labels, temperature=1.0, logit_scale=1.0, softcap=None):
-    """Materialised logits in float64: the contract written out."""
-    x = hidden.double() @ weight.double().t()
-    if bias is not None:
-        x = x + bias.double()
+    """Materialised logits: the contract written out. The matmul in the inputs' dtype, then the logits in fp32
+    (as TRL's head upcasts them); on float64 inputs, the truth. ``top1_margin`` is the label's logit minus the
+    best other one: the value ``is_top1`` thresholds."""
+    x = torch.nn.functional.linear(hidden, weight, bias)
+    if x.dtype != torch.float64:
+        x = x.float()
     z = x * logit_scale
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
@@ -58,14 +76,26 @@ def reference(hidden, weight, bias, labels, temperature=1.0, logit_scale=1.0, so
     p = log_p.exp()
     valid = labels != -100
     safe = torch.where(valid, labels, 0)
+    label_logit = z.gather(1, safe[:, None]).squeeze(1)
+    others = z.scatter(1, safe[:, None], float("-inf"))
     out = {
         "log_probs": log_p.gather(1, safe[:, None]).squeeze(1),
         "entropy": -(p * log_p).sum(-1),
         "log_sum_sq_probs": (p * p).sum(-1).log(),
         "mean_logits": z.mean(-1),
         "is_top1": z.argmax(-1) == labels,
+        "top1_margin": label_logit - others.amax(-1),
+        "max_abs_logit": z.abs().amax(-1),
     }
     return {k: torch.where(valid, v, torch.zeros((), dtype=v.dtype)) for k, v in out.items()}
+
+
+def assert_top1(ours, truth, dtype, ulps=4.0):
+    """Top-1 hits equal the truth's wherever the label's margin exceeds ``ulps`` rounding steps of the logits'
+    dtype at the row's largest logit; closer calls may go either way (the reference's may too)."""
+    decided = truth["top1_margin"].abs() > ulps * torch.finfo(dtype).eps * truth["max_abs_logit"]
+    assert torch.equal(ours[decided], truth["is_top1"][decided])
+    assert not ours[~decided & (truth["max_abs_logit"] == 0)].any()  # ignored rows
 
 
 def run(
@@ -82,12 +112,14 @@ def run(
     seed=0,
     ignore_frac=0.3,
 ):
-    """(ours, ref) for every output and every gradient; the loss is sum(g_lp * log_probs + g_ent * entropy)."""
+    """(name, ours, reference, truth) for every output and every gradient (top-1 hits checked here, through their
+    margin); the loss is sum(g_lp * log_probs + g_ent * entropy)."""
     temperature, logit_scale, softcap, bias = HEADS[head]
     (hidden, weight, b), labels = make(n, h, v, bias=bias, seed=seed, dtype=dtype, ignore_frac=ignore_frac)
     dev = _device(backend)
     ours_in = [t if t is None else t.clone().to(dev).requires_grad_() for t in (hidden, weight, b)]
-    ref_in = [t if t is None else t.double().clone().requires_grad_() for t in (hidden, weight, b)]
+    ref_in = [t if t is None else t.clone().requires_grad_() for t in (hidden, weight, b)]
+    truth_in = [as_truth(t) for t in (hidden, weight, b)]
     ours = fused_token_log_probs(
         ours_in[0],
         ours_in[1],
@@ -102,37 +134,31 @@ def run(
         chunk_rows=chunk_rows,
     )
     ref = reference(*ref_in, labels, temperature, logit_scale, softcap)
+    truth = reference(*truth_in, labels, temperature, logit_scale, softcap)
     g = torch.Generator().manual_seed(seed + 1)
     if upstream == "sft":  # -sum(log_probs) / n: the same value on every token, no entropy gradient
-        g_lp, g_ent = torch.full((n,), -1.0 / 7, dtype=torch.float64), None
+        g_lp, g_ent = torch.full((n,), -1.0 / 7), None
     else:
-        g_lp, g_ent = (
-            torch.randn(n, generator=g, dtype=torch.float64),
-            torch.randn(n, generator=g, dtype=torch.float64),
-        )
-    loss_ours = (ours.log_probs * g_lp.to(dev, torch.float32)).sum()
-    loss_ref = (ref["log_probs"] * g_lp).sum()
-    if g_ent is not None:
-        loss_ours = loss_ours + (ours.entropy * g_ent.to(dev, torch.float32)).sum()
-        loss_ref = loss_ref + (ref["entropy"] * g_ent).sum()
-    loss_ours.backward()
-    loss_ref.backward()
-    pairs = [(name, getattr(ours, name).detach().cpu(), ref[name]) for name in ALL]
-    for name, o, r in zip(("hidden", "weight", "bias"), ours_in, ref_in, strict=True):
+        g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    for out, get, to in ((ours, lambda k: getattr(ours, k), dev), (ref, ref.get, "cpu"), (truth, truth.get, "cpu")):
+        wide = torch.float64 if out is truth else torch.float32  # the same fp32 upstream values for all three
+        loss = (get("log_probs") * g_lp.to(to, wide)).sum()
+        if g_ent is not None:
+            loss = loss + (get("entropy") * g_ent.to(to, wide)).sum()
+        loss.backward()
+    assert_top1(ours.is_top1.cpu(), truth, dtype)
+    triples = [(name, getattr(ours, name).detach().cpu(), ref[name].detach(), truth[name].detach()) for name in OUTPUTS]
+    for name, o, r, t in zip(("hidden", "weight", "bias"), ours_in, ref_in, truth_in, strict=True):
         if o is not None:
             assert o.grad.dtype == o.dtype, name
-            pairs.append((f"grad_{name}", o.grad.cpu(), r.grad))
-    return pairs
+            triples.append((f"grad_{name}", o.grad.cpu(), r.grad, t.grad))
+    return triples
 
 
-def check(pairs, tol, err=rel_err):
-    for name, ours, ref in pairs:
-        if ref.dtype == torch.bool:
-            assert torch.equal(ours, ref), name
-            continue
+def check(triples, **bound):
+    for name, ours, _, _ in triples:
         assert torch.isfinite(ours).all(), name
-        e = err(ours, ref)
-        assert e < tol, f"{name}: relative error {e:.2e} >= {tol:.0e}"
+    assert_all_truth(triples, **bound)
 
 
 @pytest.mark.parametrize("uniform", [False, True])
@@ -141,7 +167,7 @@ def check(pairs, tol, err=rel_err):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_values_and_grads_fp32(backend, head, upstream, uniform):
     # uniform=True with a random upstream: the speculation fails and backward recomputes: still exact
-    check(run(backend, head, upstream=upstream, uniform=uniform), 2e-5)
+    check(run(backend, head, upstream=upstream, uniform=uniform), **FP32)
 
 
 @pytest.mark.parametrize(
@@ -151,29 +177,40 @@ def test_values_and_grads_fp32(backend, head, upstream, uniform):
 def test_odd_shapes(backend, n, h, v, chunk_rows):
     if backend == "triton" and n > 100 and not torch.cuda.is_available():
         n = 97  # the interpreter runs one Python program per row
-    check(run(backend, "all", n, h, v, chunk_rows=chunk_rows), 2e-5)
+    check(run(backend, "all", n, h, v, chunk_rows=chunk_rows), **FP32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_half_precision_by_norm(backend, dtype):
     # the logits and their gradients are rounded to the input dtype (as the materialised model does)
-    pairs = run(
-        backend, "softcap+bias", 96, 64, 500, dtype=dtype, chunk_rows=40, uniform=True, upstream="sft"
-    )
-    check(
-        [p for p in pairs if p[0] != "is_top1"], 3e-2 if dtype == torch.bfloat16 else 5e-3, err=norm_rel_err
-    )
+    check(run(backend, "softcap+bias", 96, 64, 500, dtype=dtype, chunk_rows=40, uniform=True, upstream="sft"), **HALF)
+
+
+@functools.cache
+def _large_vocab_torch():
+    return run("torch", "all", 40, 16, 70_001, chunk_rows=16)
 
 
 def test_large_vocab_torch():
-    check(run("torch", "all", 40, 16, 70_001, chunk_rows=16), 2e-5)
+    # log_sum_sq_probs: test_large_vocab_torch_log_sum_sq_probs
+    check([t for t in _large_vocab_torch() if t[0] != "log_sum_sq_probs"], **FP32)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fasttrain's torch backend sums p**2 over the vocabulary with a bmm row dot product, less exact "
+    "than torch's sum at vocab 70,001: measured |ours-f64| 7.66e-5 vs the fp32 reference's 3.88e-6 (19.7x; "
+    "5.93e-6 and 12.9x under ATEN_CPU_CAPABILITY=default); entropy, the same kind of dot product, 3.2x (1.8x)",
+)
+def test_large_vocab_torch_log_sum_sq_probs():
+    check([t for t in _large_vocab_torch() if t[0] == "log_sum_sq_probs"], **FP32)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS[1:])
 def test_large_vocab_triton(backend):
-    check(run(backend, "all", 6, 16, 70_001, chunk_rows=4), 2e-5)
+    check(run(backend, "all", 6, 16, 70_001, chunk_rows=4), **FP32)
 
 
 @pytest.mark.parametrize("head", ["plain", "all"])
@@ -210,17 +247,23 @@ def test_equals_trl_chunked_logprob(backend, head):
         backend=backend,
         chunk_rows=16,
     )
-    for name, a, r in zip(ALL, ours, theirs, strict=True):
-        if name == "is_top1":
-            assert torch.equal(a, r)
-        else:
-            assert rel_err(a, r) < 2e-6, name
-    g = torch.randn(int(valid.sum()), generator=torch.Generator().manual_seed(9)).to(dev)
-    ((theirs[0] + 0.1 * theirs[1]) * g).sum().backward()
-    ((ours[0] + 0.1 * ours[1]) * g).sum().backward()
-    for o, t in zip(our_in, trl_in, strict=True):
-        if o is not None:
-            assert rel_err(o.grad, t.grad) < 1e-5
+    # the truth: float64 on the same values, with the same upstream gradient
+    truth_in = [as_truth(t) for t in (hidden, weight, b)]
+    truth = reference(truth_in[0][valid], truth_in[1], truth_in[2], labels[valid], temperature, logit_scale, softcap)
+    assert_top1(ours.is_top1.cpu(), truth, torch.float32)
+    assert_top1(theirs[ALL.index("is_top1")].cpu(), truth, torch.float32)  # the margin rule holds for TRL too
+    values = [(name, ours[i].cpu(), theirs[i].cpu(), truth[name]) for i, name in enumerate(ALL) if name != "is_top1"]
+    assert_all_truth(values, **FP32)
+    g = torch.randn(int(valid.sum()), generator=torch.Generator().manual_seed(9))
+    ((theirs[0] + 0.1 * theirs[1]) * g.to(dev)).sum().backward()
+    ((ours[0] + 0.1 * ours[1]) * g.to(dev)).sum().backward()
+    ((truth["log_probs"] + 0.1 * truth["entropy"]) * g.double()).sum().backward()
+    grads = [
+        (name, o.grad.cpu(), t.grad.cpu(), x.grad)
+        for name, o, t, x in zip(("hidden", "weight", "bias"), our_in, trl_in, truth_in, strict=True)
+        if o is not None
+    ]
+    assert_all_truth(grads, **FP32)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -271,17 +314,23 @@ def test_second_backward_recomputes():
     out = fused_token_log_probs(hidden, weight, labels, uniform_grad=True)
     loss = -out.log_probs.sum()
     loss.backward(retain_graph=True)
-    first = weight.grad.clone()
+    speculative, weight.grad = weight.grad, None
     loss.backward()  # the speculative gradients are used once; the second backward recomputes
-    assert rel_err(weight.grad, 2 * first) < 1e-6
+    truth_weight = as_truth(weight)
+    (-reference(hidden.double(), truth_weight, None, labels)["log_probs"].sum()).backward()
+    # the recomputed gradient is as exact as the speculative one (the reference here)
+    assert_truth(weight.grad, speculative, truth_weight.grad, **FP32)
 
 
 def test_autocast_computes_in_the_autocast_dtype():
     (hidden, weight, _), labels = make(30, 16, 80, bias=False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ours = fused_token_log_probs(hidden, weight, labels)
-    ref = reference(hidden.bfloat16(), weight.bfloat16(), None, labels)["log_probs"]
-    assert norm_rel_err(ours.log_probs, ref) < 1e-2
+        ref = reference(hidden, weight, None, labels)["log_probs"]  # F.linear under autocast: bf16 logits
+    # the truth: float64 on the bf16 values autocast multiplies
+    truth = reference(hidden.bfloat16().double(), weight.bfloat16().double(), None, labels)["log_probs"]
+    assert ref.dtype == ours.log_probs.dtype == torch.float32
+    assert_truth(ours.log_probs, ref, truth, **HALF)
 
 
 @pytest.mark.parametrize(
@@ -311,8 +360,7 @@ def test_fp32_hidden_gradient_buffer(monkeypatch):
 
     monkeypatch.setattr(token_logprobs, "has_fp32_addmm", lambda t: True)
     for uniform, upstream in ((True, "sft"), (False, "random")):
-        pairs = run("torch", "all", 64, 32, 300, dtype=torch.bfloat16, uniform=uniform, upstream=upstream)
-        check([p for p in pairs if p[0] != "is_top1"], 3e-2, err=norm_rel_err)
+        check(run("torch", "all", 64, 32, 300, dtype=torch.bfloat16, uniform=uniform, upstream=upstream), **HALF)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -330,13 +378,14 @@ def test_frozen_head_any_upstream(backend, monkeypatch):
     (hidden, weight, _), labels = make(45, 16, 120, bias=False, seed=6)
     dev = _device(backend)
     ours_h = hidden.clone().to(dev).requires_grad_()
-    ref_h = hidden.double().requires_grad_()
-    g = torch.randn(45, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ref_h, truth_h = hidden.clone().requires_grad_(), as_truth(hidden)
+    g = torch.randn(45, generator=torch.Generator().manual_seed(3))
     out = fused_token_log_probs(
         ours_h, weight.to(dev), labels.to(dev), outputs=ALL, backend=backend, chunk_rows=8
     )
     in_forward = len(folds)
-    (out.log_probs * g.float().to(dev)).sum().backward()
+    (out.log_probs * g.to(dev)).sum().backward()
     (reference(ref_h, weight, None, labels)["log_probs"] * g).sum().backward()
+    (reference(truth_h, weight.double(), None, labels)["log_probs"] * g.double()).sum().backward()
     assert in_forward == 6 and len(folds) == in_forward  # folded in the forward, none again in backward
-    assert rel_err(ours_h.grad.cpu(), ref_h.grad) < 2e-5
+    assert_truth(ours_h.grad.cpu(), ref_h.grad, truth_h.grad, **FP32)
