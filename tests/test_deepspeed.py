@@ -42,7 +42,7 @@ K = 4.0
 # place of the value are rounding noise in every run (2**-23 relative per unit)
 FLOOR_ULPS = 16
 FP32_EPS = 2.0**-23
-DEEPSPEED_CLIPS = "off: DeepSpeed clips inside its engine (its gradient_clipping setting)"
+DEEPSPEED_CLIPS = "off: DeepSpeed clips inside its engine"
 
 
 def _free_port() -> str:

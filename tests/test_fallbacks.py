@@ -141,7 +141,7 @@ def test_a_subclass_with_its_own_sampler_keeps_it(tmp_path):
     assert trainer.fasttrain_status["sampler"] == "off: MySampling overrides _get_train_sampler"
 
 
-def test_optimizer_blockers(tmp_path):
+def test_optimizer_blockers(tmp_path, monkeypatch):
     trainer = _trainer(tmp_path / "sgd", optim="sgd")
     trainer.train()
     assert trainer.fasttrain_status["optimizer"] == "off: optim=sgd is not an AdamW fasttrain replaces"
@@ -160,11 +160,16 @@ def test_optimizer_blockers(tmp_path):
     assert trainer.fasttrain_status["optimizer"] == "off: the Trainer was given optimizer_cls_and_kwargs"
     assert type(trainer.optimizer.optimizer) is torch.optim.AdamW
 
+    # DeepSpeed itself does not run here (tests/test_deepspeed.py runs it): its flag and config decide. Without
+    # an `optimizer` section FusedAdamW is DeepSpeed's client optimizer; with one, DeepSpeed's config chose.
     trainer = _trainer(tmp_path / "ds")
-    trainer.is_deepspeed_enabled = True  # DeepSpeed itself does not run here; its flag decides
+    trainer.is_deepspeed_enabled = True
+    assert integration._fused_adamw_kwargs(trainer, integration.seam_of(trainer), trainer.model) is not None
+    with_section = {"optimizer": {"type": "AdamW", "params": {}}}
+    monkeypatch.setattr(integration, "_deepspeed_config", lambda trainer: with_section)
     assert integration._fused_adamw_kwargs(trainer, integration.seam_of(trainer), trainer.model) is None
     assert trainer.fasttrain_status["optimizer"] == (
-        "off: DeepSpeed builds and wraps the optimizer itself (FusedAdamW is untested under ZeRO)"
+        "off: DeepSpeed's config chose the optimizer (its `optimizer` section)"
     )
 
 

@@ -423,7 +423,7 @@ def _arm_clip(trainer: Any, seam: _Seam) -> None:
     _override(trainer, "_get_grad_norm", _get_grad_norm)
 
 
-_DEEPSPEED_CLIPS = "DeepSpeed clips inside its engine (its gradient_clipping setting)"
+_DEEPSPEED_CLIPS = "DeepSpeed clips inside its engine"  # its gradient_clipping setting
 
 
 def _clip_grad_norm(trainer: Any, original: Callable[..., Any], model: Any) -> Any:
