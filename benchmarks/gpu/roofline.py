@@ -144,7 +144,7 @@ def _matmul_s(device: str, size: int, dtype, cuda: bool) -> float:
 
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    return _median_s(lambda: a @ b, 10 if cuda else 3, cuda)
+    return _median_s(lambda: a @ b, 10 if cuda else 5, cuda)
 
 
 def measure(device: str, smoke: bool) -> Limits:
@@ -154,7 +154,7 @@ def measure(device: str, smoke: bool) -> Limits:
     cuda = device == "cuda"
     copy_elems = 2**28 if cuda else 2**24  # 1 GiB of fp32 on the GPU; 64 MiB (beyond the caches) on CPU
     copy_s = _copy_s(device, copy_elems, cuda)
-    size = 8192 if cuda else (256 if smoke else 1024)
+    size = 8192 if cuda else (512 if smoke else 1024)
     dtype = torch.bfloat16 if cuda else torch.float32  # CPU bf16 matmul is no fair limit on most CPUs
     mm_s = _matmul_s(device, size, dtype, cuda)
     name = torch.cuda.get_device_name() if cuda else "cpu"
