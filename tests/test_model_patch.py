@@ -223,7 +223,7 @@ def test_bf16_model_within_bf16_precision():
     ours.to(torch.bfloat16)
     truth = _truth.float64_twin(ref)
     # the reference rounds logits (and the softcap) to bf16 before its fp32 loss; we softcap in fp32
-    bound = _truth.Bound(k=_truth.K, floor=4 * _truth.EPS_BF16)  # a few bf16 units: the weights' own resolution
+    bound = _truth.BF16_STORED
     losses = []
     for model in (ref, ours, truth):
         out = model(**batch(seed=4))
