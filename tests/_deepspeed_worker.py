@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from accelerate.state import AcceleratorState, PartialState
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 import _tiny as tiny  # beside this file: a script's own directory is on sys.path
 import fasttrain
@@ -125,9 +126,13 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
     if patched:
         fasttrain.patch()
     AcceleratorState._reset_state(reset_partial_state=False)  # each run gets its own DeepSpeed plugin
-    # built before the arguments (no zero.Init): the same full weights on both ranks; initialised in float32
-    # and then cast, so that the float64 truth starts from the float32 runs' weights
+    # Built outside zero.Init: the same full weights on both ranks and in every run. A previous run's DeepSpeed
+    # config may still be alive (until garbage collection) and would make from_config initialise the weights
+    # partitioned, with other random values. Initialised in float32, then cast: the float64 truth starts from
+    # the float32 runs' weights.
+    unset_hf_deepspeed_config()
     model = tiny.model("qwen3").to(dtype)
+    initial_checksum = sum(p.detach().double().sum().item() for p in model.parameters())
     lm_head_calls = [0]
     model.lm_head.register_forward_hook(lambda *_: lm_head_calls.__setitem__(0, lm_head_calls[0] + 1))
     tok = tiny.tokenizer()
@@ -157,6 +162,7 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
     trainer.train(resume_from_checkpoint=str(checkpoint) if spec["resume"] else None)
     inner = _innermost_optimizer(trainer.optimizer)
     return {
+        "initial_checksum": initial_checksum,
         "logs": tiny.step_logs(trainer),
         "rows_by_epoch": trainer.rows_by_epoch,
         "status": dict(getattr(trainer, "fasttrain_status", {})),
