@@ -11,7 +11,8 @@ Runs, one after the other in the same processes (one launch, one DeepSpeed start
 - ``fasttrain-ds-optimizer``: the same with an ``optimizer`` section in the DeepSpeed config (torch's AdamW);
 - ``fasttrain-8bit``: ``fasttrain`` with ``optim_args="state_dtype=8bit"``;
 - ``fasttrain-save`` / ``fasttrain-resume``: ``fasttrain`` saving a checkpoint at step 4, then resuming from it
-  (``reference-save`` / ``reference-resume``: the same without fasttrain).
+  (``reference-save`` / ``reference-resume``: the same without fasttrain);
+- ``truth-tied``, ``reference-tied``, ``fasttrain-tied``: the same three with lm_head tied to the embedding.
 
 Each writes OUT/<run>-rank<R>.json: the logged loss and grad_norm per step, the rows each rank trained on per
 epoch, the hot-path status, and what detectors saw (lm_head forward calls, the optimizer DeepSpeed stepped, clips
@@ -100,9 +101,10 @@ def _innermost_optimizer(optimizer):
 SAVE_STEP = 4  # fasttrain-save checkpoints here; fasttrain-resume resumes from it
 
 
-def _run(patched=True, dtype=torch.float32, ds_optimizer=False, optim_args=None, save=False, resume=False):
+def _run(patched=True, dtype=torch.float32, ds_optimizer=False, optim_args=None, save=False, resume=False,
+         tied=False):
     return dict(patched=patched, dtype=dtype, ds_optimizer=ds_optimizer, optim_args=optim_args, save=save,
-                resume=resume)
+                resume=resume, tied=tied)
 
 
 RUNS = {
@@ -114,6 +116,10 @@ RUNS = {
     "fasttrain-stochastic-rounding": _run(optim_args="bf16_stochastic_rounding=true"),  # refused under ZeRO
     "fasttrain-save": _run(save=True),
     "fasttrain-resume": _run(resume=True),  # after fasttrain-save, in the same launch
+    # lm_head tied to the input embedding: under ZeRO-3 the fused loss gathers the embedding's weight
+    "truth-tied": _run(patched=False, dtype=torch.float64, tied=True),
+    "reference-tied": _run(patched=False, tied=True),
+    "fasttrain-tied": _run(tied=True),
     "reference-save": _run(patched=False, save=True),
     "reference-resume": _run(patched=False, resume=True),
 }
@@ -131,7 +137,11 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
     # partitioned, with other random values. Initialised in float32, then cast: the float64 truth starts from
     # the float32 runs' weights.
     unset_hf_deepspeed_config()
-    model = tiny.model("qwen3").to(dtype)
+    model = tiny.model("qwen3")
+    if spec["tied"]:
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+    model = model.to(dtype)
     initial_checksum = sum(p.detach().double().sum().item() for p in model.parameters())
     lm_head_calls = [0]
     model.lm_head.register_forward_hook(lambda *_: lm_head_calls.__setitem__(0, lm_head_calls[0] + 1))
@@ -163,6 +173,7 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
     inner = _innermost_optimizer(trainer.optimizer)
     return {
         "initial_checksum": initial_checksum,
+        "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
         "logs": tiny.step_logs(trainer),
         "rows_by_epoch": trainer.rows_by_epoch,
         "status": dict(getattr(trainer, "fasttrain_status", {})),

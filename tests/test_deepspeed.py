@@ -32,7 +32,8 @@ LAUNCH_RUNS = {
     1: ["truth", "reference", "fasttrain"],
     2: ["truth", "reference", "fasttrain", "fasttrain-ds-optimizer", "fasttrain-8bit", "fasttrain-stochastic-rounding",
         "fasttrain-save", "fasttrain-resume"],
-    3: ["truth", "reference", "fasttrain", "fasttrain-ds-optimizer", "fasttrain-save", "fasttrain-resume"],
+    3: ["truth", "reference", "fasttrain", "fasttrain-ds-optimizer", "fasttrain-save", "fasttrain-resume",
+        "truth-tied", "reference-tied", "fasttrain-tied"],
 }
 SAVE_STEP = 4  # the worker's: fasttrain-save checkpoints at step 4, fasttrain-resume resumes from there
 # fasttrain's float32 run may be a few times farther from the float64 truth than the float32 reference is:
@@ -104,8 +105,10 @@ def test_runs_are_zero_on_two_ranks(launched, stage):
             assert (r["world_size"], r["distributed_type"], r["zero_stage"]) == (2, "DistributedType.DEEPSPEED", stage)
     assert {r["weights_dtype"] for r in runs["truth"]} == {"torch.float64"}
     # every run of the launch started from the same weights (a model built under a leftover zero.Init would not)
-    checksums = {r["initial_checksum"] for results in runs.values() for r in results if "initial_checksum" in r}
-    assert len(checksums) == 1, checksums
+    for tied in (False, True):
+        checksums = {r["initial_checksum"] for results in runs.values() for r in results if r.get("tied") is tied}
+        assert len(checksums) <= 1, checksums
+    assert all(r["tied"] == name.endswith("-tied") for name, results in runs.items() for r in results if "tied" in r)
     assert {r["weights_dtype"] for r in runs["fasttrain"]} == {"torch.float32"}
 
 
@@ -117,10 +120,11 @@ def test_every_example_once_per_epoch(launched, stage, run):
         assert seen == list(range(ROWS)), f"epoch {epoch}: rows seen {seen}"
 
 
-@pytest.mark.parametrize(("stage", "run"), _cases("fasttrain", "fasttrain-ds-optimizer"))
+@pytest.mark.parametrize(("stage", "run"), _cases("fasttrain", "fasttrain-ds-optimizer", "fasttrain-tied"))
 def test_loss_and_grad_norm_as_close_to_float64_as_the_reference(launched, stage, run):
     runs = launched(stage)
-    truth, ref, ours = (_trained(runs[name])[0]["logs"] for name in ("truth", "reference", run))
+    suffix = "-tied" if run.endswith("-tied") else ""
+    truth, ref, ours = (_trained(runs[name])[0]["logs"] for name in (f"truth{suffix}", f"reference{suffix}", run))
     assert len(ours) == len(ref) == len(truth) == EPOCHS * ROWS // 8
     off = []
     for step, (t, r, o) in enumerate(zip(truth, ref, ours, strict=True), start=1):
@@ -133,10 +137,10 @@ def test_loss_and_grad_norm_as_close_to_float64_as_the_reference(launched, stage
     assert runs[run][0]["logs"] == runs[run][1]["logs"]
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_status_tells_the_truth(launched, stage):
+@pytest.mark.parametrize(("stage", "run"), _cases("fasttrain", "fasttrain-tied"))
+def test_status_tells_the_truth(launched, stage, run):
     runs = launched(stage)
-    ref, ours = _trained(runs["reference"])[0], _trained(runs["fasttrain"])[0]
+    ref, ours = _trained(runs[run.replace("fasttrain", "reference")])[0], _trained(runs[run])[0]
     assert ours["status"] == {
         "optimizer": "on",
         "clip": DEEPSPEED_CLIPS,
@@ -151,7 +155,7 @@ def test_status_tells_the_truth(launched, stage):
     assert ours["deferred_clips_applied"] == 0
     # loss "on": the fused path never called lm_head, where the reference called it every micro-batch
     assert ours["lm_head_calls"] == 0 < ref["lm_head_calls"]
-    if stage == 3:  # lm_head was partitioned (the fused loss had to gather it inside the forward)
+    if stage == 3:  # lm_head (or the embedding it is tied to) was partitioned: the fused loss gathered it
         assert ours["lm_head_numel_after_training"] == 0
 
 

@@ -8,8 +8,8 @@ by identity). The wrapper decides per call:
                 and  (model.training  or  set_eval_fused(model, True) is in force)
                 and  logits_to_keep is 0/None, return_dict is not False
                 and  the model's loss_function is transformers' ForCausalLMLoss (no custom loss)
-                and  the output weight is a whole local tensor when read inside the forward (not a sharded
-                     FSDP2 DTensor, not a ZeRO-3 partition that DeepSpeed did not gather)
+                and  the output weight is not a sharded FSDP2 DTensor (a ZeRO-3 partition is gathered by
+                     DeepSpeed when read inside the forward)
 
 Otherwise the model's own forward runs unchanged (with logits). So generation and calls without labels
 keep logits; evaluation keeps logits unless the caller says it only needs the loss
@@ -34,9 +34,10 @@ at call time (lm_head sharded on its own), reading it directly would use a shard
 model's own path and says so once in the log. Under DeepSpeed ZeRO-3 the weight is a partitioned parameter
 (``ds_id``; an empty placeholder outside the forward): read inside the model's forward, DeepSpeed gathers it
 whole and registers it as an external parameter of the running module (released after the forward, gathered
-again for the backward, its gradient reduce-scattered as usual). So the weight is read once per forward, at
-call time, and handed to every chunk; never held from an earlier call. A weight still partitioned when read
-(its shape is not its ``ds_shape``) takes the model's own path.
+again for the backward, its gradient reduce-scattered as usual). So the weight the loss uses is read once
+per forward, after the backbone (a weight tied to the input embedding is released again when the embedding's
+forward ends), and handed to every chunk; never held from an earlier call. A weight still partitioned after
+that read (its shape is not its ``ds_shape``) raises a RuntimeError rather than train on a placeholder.
 """
 
 from __future__ import annotations
@@ -127,16 +128,26 @@ def _unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-def _shard_problem(weight: torch.Tensor) -> str | None:
+def _dtensor_problem(weight: torch.Tensor) -> str | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
         DTensor = ()
     if isinstance(weight, DTensor):
         return "the output weight is a sharded FSDP2 DTensor (lm_head sharded on its own)"
+    return None
+
+
+def _zero3_problem(weight: torch.Tensor) -> str | None:
     if hasattr(weight, "ds_id") and tuple(weight.shape) != tuple(getattr(weight, "ds_shape", weight.shape)):
         return "the output weight is a DeepSpeed ZeRO-3 partition that was not gathered inside the forward"
     return None
+
+
+def _unread_weight(head: nn.Module) -> torch.Tensor:
+    # the parameter object itself: under ZeRO-3 reading `head.weight` in the forward gathers it, which the
+    # check before the backbone must not do (the weight would then be held whole through the backbone)
+    return dict(head._parameters.items())["weight"]
 
 
 def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -168,10 +179,7 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         )
         return state.original_forward(*args, **kwargs)
     head = self.get_output_embeddings()
-    # read once, inside the forward: under ZeRO-3 this read is what gathers the whole weight (one gather per
-    # forward, shared by every chunk of the loss)
-    weight = head.weight
-    problem = _shard_problem(weight)
+    problem = _dtensor_problem(_unread_weight(head))
     if problem is not None:
         log_once(
             f"fused-loss-shard:{problem}",
@@ -185,6 +193,12 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # the model's forward hands its **kwargs (num_items_in_batch, shift_labels, ...) to the backbone too
     outputs = getattr(self, self.base_model_prefix)(**arguments)
     hidden = outputs[0]  # [batch, seq, hidden]
+    # Read after the backbone, inside the forward, and handed whole to every chunk of the loss: under ZeRO-3
+    # this read gathers the weight (a tied weight was released again when the embedding's forward ended)
+    weight = head.weight
+    problem = _zero3_problem(weight)
+    if problem is not None:
+        raise RuntimeError(f"fasttrain fused loss: {problem} (read after the backbone ran)")
 
     ignore_index = arguments.get("ignore_index", -100)
     shift_labels = arguments.get("shift_labels")
