@@ -1,6 +1,11 @@
 """TRL's SFTTrainer and DPOTrainer with ``fasttrain.loss.trl_support.enable_for_trainer``: the loss and every
-logged metric equal the unpatched TRL run at every step (fp32), TRL's own kernel and the lm_head module are
-not called, and ``fused_calls`` counts the forwards that took fasttrain's kernel.
+logged metric are as close to the truth as the unpatched TRL run at every step (fp32), TRL's own kernel and the
+lm_head module are not called, and ``fused_calls`` counts the forwards that took fasttrain's kernel.
+
+The truth is the unpatched TRL run in float64 from the same fp32 initial weights (tests/_truth_ops.py): all the
+logged values of a run, each relative to its truth, form one vector, and ours may be at most ``K`` times as far
+from the truth's as the reference's, plus a floor of fp32 roundings. Means of 0/1 hits (token accuracy, reward
+accuracy) are compared where the reference and the truth agree (no hit was within rounding of its threshold).
 
 The functions are called directly (not through fasttrain's Trainer integration). Tiny models, 2-3 steps.
 """
@@ -14,13 +19,28 @@ import pytest
 import torch
 
 import _tiny
+from _truth_ops import assert_truth, check_truth
 from fasttrain.loss import trl_support
 
 trl = pytest.importorskip("trl")
 trl_utils = pytest.importorskip("trl.trainer.utils")
 
-RTOL = 1e-4
-ATOL = 1e-6  # rewards/* start at exactly 0 (policy == reference), and stay near it for a few steps
+# Runs of the same fp32 arithmetic, ours chunked: twice the reference's distance to the truth (a pooled vector of
+# dozens of values, so the ratio of two rounding-noise norms concentrates), plus 16 fp32 roundings of each value
+# (a training step chains hundreds of roundings; this floor only matters where the reference is exact by chance).
+K = 2.0
+ULPS = 16.0
+EXACT = {"num_tokens", "epoch", "learning_rate"}  # counts and schedules, not numerics
+HITS = {"mean_token_accuracy", "rewards/accuracies", "eval_mean_token_accuracy"}  # means of 0/1 hits
+ZERO = 1e-6  # a value whose truth is exactly 0 is measured relative to 1e-6
+
+
+def _magnitude(key, log, beta):
+    """The magnitude a value's roundings scale with: its own, or for a DPO reward, beta * (policy log-prob -
+    reference log-prob), that of the log-probs it is the difference of (rewards start at exactly 0)."""
+    if key.startswith("rewards/") and "logps/chosen" in log:
+        return max(abs(log[key]), beta * abs(log["logps/chosen"]), beta * abs(log["logps/rejected"]), ZERO)
+    return max(abs(log[key]), ZERO)
 
 
 class _Detectors:
@@ -49,10 +69,10 @@ class _Detectors:
         self.lm_head += 1
 
 
-def _train(make_trainer, enable, monkeypatch):
+def _train(make_trainer, enable, monkeypatch, truth=False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TRL's deprecation / padding-free notes
-        trainer = make_trainer()
+        trainer = make_trainer(truth)
     detectors = _Detectors(
         monkeypatch
     )  # counts from here: DPO may precompute reference log-probs in __init__
@@ -65,23 +85,40 @@ def _train(make_trainer, enable, monkeypatch):
     return trainer, logs, detectors
 
 
-def _compare(ref_logs, our_logs, must_have):
-    assert len(ref_logs) == len(our_logs) >= 2
-    for step, (a, b) in enumerate(zip(ref_logs, our_logs, strict=True), start=1):
-        assert a.keys() == b.keys(), step
+def _compare(ref_logs, our_logs, truth_logs, must_have, min_logs=2, beta=None):
+    assert len(ref_logs) == len(our_logs) == len(truth_logs) >= min_logs
+    values, names = [], []  # (ours, reference, truth), relative to the truth
+    for step, (a, b, t) in enumerate(zip(ref_logs, our_logs, truth_logs, strict=True), start=1):
+        assert a.keys() == b.keys() == t.keys(), step
         assert must_have <= a.keys(), sorted(a)
         for key, expected in a.items():
-            got = b[key]
-            if isinstance(expected, float) and math.isfinite(expected):
-                assert abs(got - expected) <= RTOL * abs(expected) + ATOL, (step, key, got, expected)
+            got, true = b[key], t[key]
+            if key in HITS:
+                if expected == true:  # no hit was within rounding of its threshold
+                    assert got == expected, (step, key, got, expected, true)
+            elif isinstance(expected, float) and math.isfinite(expected) and key not in EXACT:
+                scale = _magnitude(key, t, beta)
+                values.append([got / scale, expected / scale, true / scale])
+                names.append(f"step {step} {key}: ours {got!r} ref {expected!r} f64 {true!r}")
             else:
                 assert got == expected, (step, key)
+    ours, ref, truth = torch.tensor(values, dtype=torch.float64).unbind(1)
+    message = check_truth(ours, ref, truth, k=K, ulps=ULPS, dtype=torch.float32, what="logged values")
+    worst = sorted(zip((ours - truth).abs().tolist(), names, strict=True), reverse=True)[:6]
+    assert message is None, message + "\n  largest relative distances:\n  " + "\n  ".join(n for _, n in worst)
 
 
-def _run_both(make_trainer, monkeypatch, must_have):
+def _as_truth(model):
+    """The float64 run starts from the same (fp32) initial weights."""
+    return model.to(torch.float64)
+
+
+def _run_both(make_trainer, monkeypatch, must_have, beta=None):
+    # the truth first: each run's detector wraps TRL's kernel as the run before left it
+    _, truth_logs, _ = _train(make_trainer, False, monkeypatch, truth=True)
     _, ref_logs, ref_det = _train(make_trainer, False, monkeypatch)
     trainer, our_logs, our_det = _train(make_trainer, True, monkeypatch)
-    _compare(ref_logs, our_logs, must_have)
+    _compare(ref_logs, our_logs, truth_logs, must_have, beta=beta)
     assert ref_det.trl_kernel > 0  # the detector sees TRL's kernel when it runs ...
     assert our_det.trl_kernel == 0 and our_det.lm_head == 0  # ... and nothing but fasttrain's when enabled
     # every forward TRL's head served in the unpatched run took fasttrain's kernel instead
@@ -119,7 +156,7 @@ def _sft_dataset(kind):
 
 
 def _sft_factory(tmp_path, dataset="text", model="llama", with_eval=False, **config):
-    def make():
+    def make(truth=False):
         tokenizer = _tiny.tokenizer()
         tokenizer.chat_template = CHAT_TEMPLATE
         settings = dict(
@@ -141,7 +178,7 @@ def _sft_factory(tmp_path, dataset="text", model="llama", with_eval=False, **con
         settings.update(config)
         data = _sft_dataset(dataset)
         return trl.SFTTrainer(
-            model=_tiny.model(model),
+            model=_as_truth(_tiny.model(model)) if truth else _tiny.model(model),
             args=trl.SFTConfig(**settings),
             train_dataset=data,
             eval_dataset=data.select(range(8)) if with_eval else None,
@@ -182,15 +219,13 @@ def test_sft_qwen3_with_eval(tmp_path, monkeypatch):
     make = _sft_factory(
         tmp_path, "prompt-completion", model="qwen3", with_eval=True, eval_strategy="steps", eval_steps=2
     )
+    truth, truth_logs, _ = _train(make, False, monkeypatch, truth=True)  # first: see _run_both
     ref, ref_logs, ref_det = _train(make, False, monkeypatch)
     ours, our_logs, _ = _train(make, True, monkeypatch)
-    _compare(ref_logs, our_logs, SFT_METRICS)
-    ref_eval, our_eval = ([h for h in t.state.log_history if "eval_loss" in h] for t in (ref, ours))
-    assert len(ref_eval) == len(our_eval) >= 1
-    for ref_log, our_log in zip(ref_eval, our_eval, strict=True):
-        for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
-            a, b = ref_log[key], our_log[key]
-            assert abs(b - a) <= RTOL * abs(a) + ATOL, (key, b, a)
+    _compare(ref_logs, our_logs, truth_logs, SFT_METRICS)
+    keys = ("eval_loss", "eval_entropy", "eval_mean_token_accuracy")
+    evals = [[{k: h[k] for k in keys} for h in t.state.log_history if "eval_loss" in h] for t in (ref, ours, truth)]
+    _compare(*evals, set(keys), min_logs=1)
     assert trl_support.fused_calls(ours) == ref_det.trl_kernel  # training micro-batches + eval batches
 
 
@@ -213,8 +248,11 @@ DPO_METRICS = {
 }
 
 
+DPO_BETA = trl.DPOConfig.__dataclass_fields__["beta"].default  # the tests keep DPOConfig's beta
+
+
 def _dpo_factory(tmp_path, with_ref=True, peft_config=None, **config):
-    def make():
+    def make(truth=False):
         settings = dict(
             output_dir=str(tmp_path),
             max_steps=3,
@@ -234,8 +272,8 @@ def _dpo_factory(tmp_path, with_ref=True, peft_config=None, **config):
         data = _tiny.text_dataset(n=24, seed=2).select_columns(["prompt", "chosen", "rejected"])
         # a model built from a config has no hub name to reload as the reference: pass one (or use PEFT)
         return trl.DPOTrainer(
-            model=_tiny.model("llama"),
-            ref_model=_tiny.model("llama") if with_ref else None,
+            model=_as_truth(_tiny.model("llama")) if truth else _tiny.model("llama"),
+            ref_model=None if not with_ref else _as_truth(_tiny.model("llama")) if truth else _tiny.model("llama"),
             args=trl.DPOConfig(**settings),
             train_dataset=data,
             processing_class=_tiny.tokenizer(),
@@ -256,23 +294,26 @@ def _dpo_factory(tmp_path, with_ref=True, peft_config=None, **config):
     ],
 )
 def test_dpo_same_loss_and_metrics(case, config, tmp_path, monkeypatch):
-    trainer = _run_both(_dpo_factory(tmp_path, **config), monkeypatch, DPO_METRICS)
+    trainer = _run_both(_dpo_factory(tmp_path, **config), monkeypatch, DPO_METRICS, DPO_BETA)
     assert trl_support.fused_calls(trainer) == 3 * 2, case  # a policy and a reference forward per step
 
 
 def test_dpo_precomputed_reference(tmp_path, monkeypatch):
     # the reference log-probs are computed in __init__ (by TRL's head); the policy's then by fasttrain's
     factory = _dpo_factory(tmp_path, precompute_ref_log_probs=True)
+    _, truth_logs, _ = _train(factory, False, monkeypatch, truth=True)  # first: see _run_both
     _, ref_logs, _ = _train(factory, False, monkeypatch)
     trainer, our_logs, det = _train(factory, True, monkeypatch)
-    _compare(ref_logs, our_logs, DPO_METRICS)
+    _compare(ref_logs, our_logs, truth_logs, DPO_METRICS, beta=DPO_BETA)
     assert trl_support.fused_calls(trainer) == 3 and det.trl_kernel == 0  # the policy forwards only
 
 
 def test_dpo_peft_reference_is_the_adapter_free_policy(tmp_path, monkeypatch):
     peft = pytest.importorskip("peft")
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    trainer = _run_both(_dpo_factory(tmp_path, with_ref=False, peft_config=lora), monkeypatch, DPO_METRICS)
+    trainer = _run_both(
+        _dpo_factory(tmp_path, with_ref=False, peft_config=lora), monkeypatch, DPO_METRICS, DPO_BETA
+    )
     assert trl_support.fused_calls(trainer) == 3 * 2  # the reference forward runs the same model
 
 
@@ -319,17 +360,21 @@ def test_head_under_accelerate_autocast_wrapper(tmp_path):
     trainer.accelerator.prepare_model(model)
     wrapper = model.forward
     assert model._original_forward == trl_forward and wrapper != trl_forward
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=ids, fused_lm_head=True)  # TRL's head under the same wrapper
+        truth = _truth_model(tmp_path)(input_ids=ids, labels=ids, fused_lm_head=True)
     assert trl_support.enable_for_trainer(trainer) is None
     ours = model._original_forward
     assert getattr(ours.__func__, "_fasttrain_trl_head", False) and trl_support._wraps(model.forward, ours.__func__)
-    ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         out = model(input_ids=ids, labels=ids, fused_lm_head=True)
         inner = ours(input_ids=ids, labels=ids, fused_lm_head=True)  # without the wrapper: fp32 matmul
     assert trl_support.fused_calls(trainer) == 2 and out.log_probs.dtype == torch.float32
     # the wrapper's autocast reached the kernel: its matmul ran in bf16, so the values differ from fp32's
     assert not torch.equal(out.log_probs, inner.log_probs)
-    torch.testing.assert_close(out.log_probs, inner.log_probs, rtol=2e-2, atol=2e-2)
+    # as close to the float64 run as TRL's head under the same autocast (bf16 roundings of the whole model)
+    assert_truth(out.log_probs, ref.log_probs, truth.log_probs, k=K, ulps=4.0, what="log_probs")
     trl_support.disable_for_trainer(trainer)
     assert model.forward == wrapper and model._original_forward == trl_forward
 
@@ -355,11 +400,24 @@ def test_calls_without_fused_head_keep_trl_forward(tmp_path):
         len(lm_head_calls) == 2 + 3
     )  # the plain calls and generate() use the lm_head module: the detector works
     assert type(ours) is type(trl_fused)
+    with torch.no_grad():
+        truth = _truth_model(tmp_path)(input_ids=ids, labels=ids, fused_lm_head=True)
     for name in ("loss", "log_probs", "entropy", "is_top1", "label_mask"):
-        a, b = getattr(ours, name), getattr(trl_fused, name)
+        a, b, t = getattr(ours, name), getattr(trl_fused, name), getattr(truth, name)
         assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6), name
+        if a.dtype == torch.bool:  # label_mask exactly; top-1 hits where TRL's agree with the truth's
+            agree = b == t
+            assert torch.equal(a[agree], b[agree]), name
+        else:  # one forward of fp32 arithmetic: twice TRL's distance to the truth plus 4 fp32 roundings
+            assert_truth(a, b, t, k=K, ulps=4.0, what=name)
     assert generated.shape == (1, 8)
+
+
+def _truth_model(tmp_path):
+    """The SFT model in float64 with TRL's fused head installed: the same weights as ``_sft_factory``'s."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _sft_factory(tmp_path)(truth=True).model
 
 
 def test_model_patch_leaves_trl_models_to_trl_support(tmp_path):
