@@ -1,10 +1,11 @@
 """A training run in its own process, for tests that kill it or launch it distributed.
 
 usage: python tests/_train_script.py OUT_DIR [--trainer fasttrain|reference] [--kill-at-save STEP]
-       [--max-steps N] [--save-steps N] [--resume CKPT] [--group-by-length] [--record]
+       [--max-steps N] [--save-steps N] [--resume CKPT] [--group-by-length] [--record] [--float64]
 
 Writes OUT_DIR/result-rank{R}.json: per-step loss and grad_norm, the rows each rank trained on per epoch
-(--record), a checksum of the final weights, and the hot-path status.
+(--record), a checksum of the final weights, and the hot-path status. ``--float64`` trains the float64 twin of
+the same model (the truth the parity tests compare against; use it with ``--trainer reference``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import transformers
 
 import _tiny as tiny  # beside this file: a script's own directory is on sys.path
+import _truth
 import fasttrain
 
 
@@ -54,6 +56,7 @@ def main() -> None:
     p.add_argument("--resume")
     p.add_argument("--group-by-length", action="store_true")
     p.add_argument("--rows", type=int, default=48)
+    p.add_argument("--float64", action="store_true")
     a = p.parse_args()
 
     base = fasttrain.Trainer if a.trainer == "fasttrain" else transformers.Trainer
@@ -70,8 +73,9 @@ def main() -> None:
     )
     if a.group_by_length:
         overrides["train_sampling_strategy"] = "group_by_length"
+    model = tiny.model("llama")
     trainer = cls(
-        model=tiny.model("llama"),
+        model=_truth.float64_twin(model) if a.float64 else model,
         args=tiny.training_args(a.out, **overrides),
         train_dataset=tiny.dataset(n=a.rows, with_length=True),
         data_collator=transformers.DataCollatorForSeq2Seq(tok, padding=True),

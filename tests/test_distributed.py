@@ -1,7 +1,8 @@
 """DDP through Accelerate as it is: two processes on gloo (CPU), launched by torchrun and by accelerate.
 
 Under group_by_length every example is trained on exactly once per epoch across the ranks, both ranks end
-on identical weights, and the per-step losses equal those of the reference Trainer's DDP run.
+on identical weights, and the per-step losses and gradient norms are as close to the truth (the reference
+Trainer's DDP run of the float64 twin) as the reference Trainer's own float32 DDP run is (``_truth``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import _tiny as tiny
+import _truth
 
 pytestmark = pytest.mark.distributed
 
@@ -26,11 +28,11 @@ ROWS = 48  # a multiple of world size x per-device batch: no padding of the last
 EPOCHS = 2
 
 
-def _launch(launcher: list[str], out: Path, trainer: str) -> list[dict]:
+def _launch(launcher: list[str], out: Path, trainer: str, *extra: str) -> list[dict]:
     """``launcher`` ends with the training script's path."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [*launcher, str(out), "--trainer", trainer, "--group-by-length", "--epochs", str(EPOCHS),
-           "--rows", str(ROWS)]
+           "--rows", str(ROWS), *extra]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(2)]
@@ -48,7 +50,8 @@ def _torchrun() -> list[str]:
             str(SCRIPT)]
 
 
-def _check(results: list[dict], reference: list[dict] | None) -> None:
+def _check(results: list[dict], reference: tuple[list[dict], list[dict]] | None) -> None:
+    """``reference``: the reference Trainer's results in float32 and for the float64 twin."""
     assert [r["world_size"] for r in results] == [2, 2]
     assert results[0]["distributed_type"] == "DistributedType.MULTI_CPU"
     for epoch in range(EPOCHS):
@@ -58,16 +61,16 @@ def _check(results: list[dict], reference: list[dict] | None) -> None:
     assert results[0]["status"]["sampler"] == "on", results[0]["status"]
     assert results[0]["status"]["optimizer"] == "on", results[0]["status"]
     if reference is not None:
-        ours, ref = results[0]["logs"], reference[0]["logs"]
-        assert len(ours) == len(ref) > 0
-        for a, b in zip(ref, ours, strict=True):
-            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=tiny.LOGGED_LOSS_ABS)
-            assert b.get("grad_norm") == pytest.approx(a.get("grad_norm"), rel=1e-5)
+        ref, truth = reference
+        _truth.assert_logs_near_truth(results[0]["logs"], ref[0]["logs"], truth[0]["logs"], _truth.FP32_STEP,
+                                      keys=("loss", "grad_norm"), abs_floor={"loss": tiny.LOGGED_LOSS_ABS})
 
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
-    return _launch(_torchrun(), tmp_path_factory.mktemp("ref"), "reference")
+    ref = _launch(_torchrun(), tmp_path_factory.mktemp("ref"), "reference")
+    truth = _launch(_torchrun(), tmp_path_factory.mktemp("f64"), "reference", "--float64")
+    return ref, truth
 
 
 def test_ddp_torchrun(tmp_path, reference_run):

@@ -1,5 +1,6 @@
-"""The fused loss under FSDP2 (fully_shard, gloo, 2 CPU processes): the same loss and gradients as the
-unsharded, unpatched model; and a lm_head sharded on its own takes the model's own path."""
+"""The fused loss under FSDP2 (fully_shard, gloo, 2 CPU processes): the loss and gradients of the unsharded,
+unpatched model, as close to the truth (that model in float64) as the unsharded float32 model is; and a lm_head
+sharded on its own takes the model's own path."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +17,10 @@ pytestmark = pytest.mark.distributed
 WORKER = textwrap.dedent(
     """
     import copy
+    import sys
+    sys.path.insert(0, TESTS_DIR)
     import torch, torch.distributed as dist
+    import _truth
     import transformers
     from torch.distributed.fsdp import fully_shard
     from fasttrain.loss.model_patch import enable_fused_loss
@@ -29,6 +34,7 @@ WORKER = textwrap.dedent(
         cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2)
         ref = transformers.LlamaForCausalLM(cfg).train()
+        truth = _truth.float64_twin(ref)
         model = copy.deepcopy(ref)
         assert enable_fused_loss(model) is None
         for layer in model.model.layers:
@@ -44,17 +50,18 @@ WORKER = textwrap.dedent(
         assert (out.logits is None) != shard_head, "fused path iff lm_head is not sharded on its own"
         out.loss.backward()
 
-        # reference: each rank's loss on the unsharded model; FSDP averages gradients over ranks
-        loss_ref = ref(input_ids=ids, labels=labels).loss
-        assert torch.allclose(out.loss, loss_ref, rtol=1e-5, atol=1e-6), (out.loss, loss_ref)
-        (loss_ref / dist.get_world_size()).backward()
-        for p in ref.parameters():
-            dist.all_reduce(p.grad)
-        named = dict(model.named_parameters())
-        for name, p in ref.named_parameters():
-            grad = named[name].grad.full_tensor()
-            err = float((grad - p.grad).abs().max() / p.grad.abs().max())
-            assert err < 1e-4, (name, err)
+        # reference and truth: each rank's loss on the unsharded model; FSDP averages gradients over ranks
+        losses = []
+        for unsharded in (ref, truth):
+            loss = unsharded(input_ids=ids, labels=labels).loss
+            losses.append(float(loss.detach()))
+            (loss / dist.get_world_size()).backward()
+            for p in unsharded.parameters():
+                dist.all_reduce(p.grad)
+        _truth.assert_scalar_near_truth("loss", float(out.loss.detach()), *losses, _truth.FP32_STEP)
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        _truth.assert_tensors_near_truth(grads, {n: p.grad for n, p in ref.named_parameters()},
+                                         {n: p.grad for n, p in truth.named_parameters()}, what="gradient")
 
 
     for layout in ("root", "head"):
@@ -69,7 +76,7 @@ def test_fsdp2_two_processes(tmp_path):
     # one launch checks both layouts: the root unit holds lm_head (fused path), and lm_head sharded on
     # its own (the model's own path, since the weight is a DTensor shard at call time)
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(WORKER.replace("TESTS_DIR", repr(str(Path(__file__).resolve().parent))))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
