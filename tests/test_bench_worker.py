@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -136,6 +137,24 @@ def test_local_checkpoint_directory(tmp_path):
     checkpoint = tmp_path / "ckpt"
     models.build_model("tiny", 32, 0, "cpu", torch.float32).save_pretrained(checkpoint)
     r = worker.run(
-        _tiny.bench_config(model=str(checkpoint), steps=1, warmup_steps=0), Contender("reference", "reference")
+        _tiny.bench_config(model=str(checkpoint), steps=1, warmup_steps=0),
+        Contender("reference", "reference"),
     )
     assert r["steps"] == 1 and r["losses"][0] == pytest.approx(11.93, abs=0.3)
+
+
+def test_train_flops_per_token_counts_parameters_and_causal_attention():
+    class Model:
+        config = types.SimpleNamespace(num_attention_heads=2, head_dim=4, hidden_size=16, num_hidden_layers=2)
+
+        def num_parameters(self):
+            return 100
+
+    # 6 x 100 parameters; attention: 6 x 2 layers x width 8 x (2*2 + 4*4) / (2 + 4) tokens = 320
+    assert worker.train_flops_per_token(Model(), [[0, 0], [0, 0, 0, 0]]) == 600 + 320
+    Model.config.head_dim = None  # no head_dim in the config: hidden_size / heads
+    assert worker.train_flops_per_token(Model(), [[0, 0], [0, 0, 0, 0]]) == 600 + 6 * 2 * 16 * 20 / 6
+
+
+def test_worker_reports_the_training_flops_of_a_token(reference_result):
+    assert reference_result["train_flops_per_token"] > 6 * 100_000  # the tiny model has well over 1e5 weights

@@ -107,6 +107,8 @@ def test_summary_shows_the_roofline_and_a_crashed_contender(tmp_path):
     (tmp_path / "bench_e2e_gpu.json").write_text(json.dumps({
         "complete": False, "runs_done": 5, "runs_planned": 6,
         "comparison": {"fasttrain_vs_reference": {"tokens_per_s_ratio": 1.5, "peak_memory_ratio": 0.5}},
+        "reference": {"tokens_per_s": 1e4, "train_flops_per_token": 7.9e9},
+        "fasttrain": {"tokens_per_s": 1.5e4, "train_flops_per_token": 7.9e9},
         "failed": {"liger": "the liger run exited with code 1; last lines of its log:\nImportError: no sm_90"},
     }))  # fmt: skip
     summarize = ROOT / "benchmarks" / "gpu" / "summarize.py"
@@ -117,3 +119,5 @@ def test_summary_shows_the_roofline_and_a_crashed_contender(tmp_path):
     assert "torch 1.50 ms (40% lim), triton 0.90 ms (80% lim); backend verdict triton" in text
     assert "cross_entropy 8192x151936: torch 40.0 ms (22%), fasttrain 20.0 ms (44%)" in text
     assert "PARTIAL (5 of 6 runs)" in text and "liger FAILED: ImportError: no sm_90" in text
+    # 1e4 tokens/s x 7.9e9 FLOPs = 10% of 790 TFLOP/s
+    assert "model FLOPs reference 10%, fasttrain 15% of the matmul limit" in text

@@ -56,7 +56,28 @@ def _bench(path: Path) -> str:
     for name, error in data.get("failed", {}).items():
         last = [line for line in error.splitlines() if line.strip()][-1:] or [""]
         parts.append(f"{name} FAILED: {last[0].strip()[:120]}")
+    utilisation = _model_flops(data, path.parent)
+    if utilisation:
+        parts.append(utilisation)
     return "; ".join(parts)
+
+
+def _model_flops(data: dict, out: Path) -> str:
+    """The training step's roofline: tokens/s x the model FLOPs a token costs (``train_flops_per_token``, from
+    the shapes) as a % of the matmul throughput the hardware step measured."""
+    limits_file = next(
+        (out / n for n in ("hardware.json", "hardware_smoke.json") if (out / n).exists()), None
+    )
+    if limits_file is None:
+        return ""
+    peak = json.loads(limits_file.read_text())["limits"]["matmul_flops_per_s"]
+    cells = []
+    for name in ("reference", "liger", "fasttrain"):
+        side = data.get(name) or {}
+        flops, tokens_per_s = side.get("train_flops_per_token"), side.get("tokens_per_s")
+        if flops and tokens_per_s:
+            cells.append(f"{name} {roofline.fmt_percent(100 * tokens_per_s * flops / peak)}")
+    return "model FLOPs " + ", ".join(cells) + " of the matmul limit" if cells else ""
 
 
 def _hardware(path: Path) -> str:

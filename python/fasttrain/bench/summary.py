@@ -75,6 +75,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if "gpu_name" in first:
         summary["gpu_name"] = first["gpu_name"]
+    if first.get("train_flops_per_token"):
+        summary["train_flops_per_token"] = first["train_flops_per_token"]
     return summary
 
 

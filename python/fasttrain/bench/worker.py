@@ -172,6 +172,19 @@ def _transformers_trainer(
     )
 
 
+def train_flops_per_token(model, examples: list[list[int]]) -> float:
+    """FLOPs one trained token costs, forward + backward, from the shapes: 6 per parameter (2 forward, 4
+    backward; tied embeddings counted once: the lookup is free, the output head is a matmul) plus causal
+    attention: scores and weighted values, 4 x width x context per layer forward, 12 with backward, the context
+    averaging half the example's length, so 6 x layers x width x length per token, weighted by tokens."""
+    config = model.config
+    heads = config.num_attention_heads
+    width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+    lengths = [len(e) for e in examples] or [0]
+    mean_context = sum(n * n for n in lengths) / max(sum(lengths), 1)
+    return 6.0 * model.num_parameters() + 6.0 * config.num_hidden_layers * width * mean_context
+
+
 def run(config: BenchConfig, contender: Contender, progress_path: str | None = None) -> dict[str, Any]:
     import torch
 
@@ -257,6 +270,11 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         "setup_s": setup_s,
         "num_examples": len(examples),
         "pid": os.getpid(),
+        # the roofline of a training step (benchmarks/gpu/summarize.py): plain Trainer runs only, where every
+        # counted token goes forward and backward once
+        "train_flops_per_token": train_flops_per_token(model, examples)
+        if config.trainer_type == "transformers"
+        else None,
     }
     if is_cuda:
         peak = torch.cuda.max_memory_allocated() / 2**20
