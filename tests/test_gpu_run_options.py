@@ -63,15 +63,16 @@ def test_a_rerun_keeps_the_lines_of_the_steps_it_does_not_run(tmp_path):
     out = tmp_path / "gpu"
     out.mkdir()
     (out / "steps.tsv").write_text(
-        "kernels\tok\t80\t85\nparity\tTIMEOUT after 35s\t40\t35\nsummary\tok\t0\t5\n"
+        "install\tok\t3\t10\nkernels\tok\t80\t85\nparity\tTIMEOUT after 35s\t40\t35\nsummary\tok\t0\t5\n"
     )
     proc = run(
         "--out", str(out), "--wheels", str(tmp_path / "none"), "--only", "summary", PYTHON=sys.executable
     )
     assert proc.returncode == 0, proc.stderr
     lines = (out / "steps.tsv").read_text().splitlines()
-    assert lines[:2] == ["kernels\tok\t80\t85", "parity\tTIMEOUT after 35s\t40\t35"]
-    assert [line.split("\t")[0] for line in lines] == ["kernels", "parity", "summary"]
+    # no wheels this time: install did not run, and its earlier line stays
+    assert lines[:3] == ["install\tok\t3\t10", "kernels\tok\t80\t85", "parity\tTIMEOUT after 35s\t40\t35"]
+    assert [line.split("\t")[0] for line in lines] == ["install", "kernels", "parity", "summary"]
     assert "| parity | TIMEOUT after 35s |" in (out / "summary.md").read_text()
 
 

@@ -147,6 +147,7 @@ else
 fi
 
 mkdir -p "$out/logs"
+[ -d "$wheels" ] || selected[install]=0  # nothing to install: its line from an earlier run stays
 if [ "$only_given$skip_given" != 00 ] && [ -f "$out/steps.tsv" ]; then
     # a partial run (a rerun of failed steps, say): keep the lines of the steps it does not run
     kept=$(awk -F'\t' -v run="$(for n in "${steps[@]}"; do [ "${selected[$n]}" = 1 ] && printf '%s,' "$n"; done)" \
