@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import importlib
 import json
 import os
@@ -46,8 +47,8 @@ def _compile(spec_key: str, variant: dict) -> dict:
     consts.update(spec.fixed(module))
     sig.update(dict.fromkeys((k for k in consts if k not in sig), "constexpr"))
     warps = spec.num_warps(variant)
-    if isinstance(warps, str):
-        warps = getattr(module, warps)
+    if isinstance(warps, str):  # the launcher's own constant, e.g. "NUM_WARPS" or "base.NUM_WARPS"
+        warps = functools.reduce(getattr, warps.split("."), module)
     row = {"kernel": spec_key, **variant}
     started = time.perf_counter()
     try:

@@ -45,7 +45,7 @@ class KernelSpec:
     signature: dict[str, str]  # runtime arguments: Triton type, or the name of a variant parameter
     space: dict[str, tuple]  # variant parameters (constexprs, argument types) and their possible values
     fixed: Callable[[Any], dict[str, Any]]  # constexprs with one value, from the imported kernel module
-    num_warps: Callable[[dict[str, Any]], int | str]  # an int, or the name of a module attribute
+    num_warps: Callable[[dict[str, Any]], int | str]  # an int, or a (dotted) attribute of the kernel module
     valid: Callable[[dict[str, Any]], bool] = lambda v: True
 
     @property
@@ -91,7 +91,7 @@ KERNELS = [
     ),
     KernelSpec(
         "adamw8bit", "_adamw8bit_kernel", {**_MULTI_TENSOR, "maps_ptr": "*fp32", **_STEP},
-        _STEP_SPACE, _adamw8_fixed, lambda v: 4, _adamw_valid,
+        _STEP_SPACE, _adamw8_fixed, lambda v: "base.NUM_WARPS", _adamw_valid,
     ),
     KernelSpec(
         "adamw", "_norm_partial_kernel",

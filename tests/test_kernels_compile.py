@@ -63,6 +63,15 @@ def test_covering_subset_has_every_value_and_pair(spec, strength):
     assert len(chosen) < len(V.all_variants(spec)) or len(chosen) <= 2
 
 
+def test_the_listed_values_are_those_the_launchers_pick():
+    from fasttrain.kernels import adamw
+    from fasttrain.kernels.cross_entropy import pick_block_v
+
+    vocabularies = [2**k + d for k in range(0, 21) for d in (-1, 0, 1)]
+    assert {pick_block_v(v) for v in vocabularies} == set(V.BLOCK_V)
+    assert sorted(adamw.DTYPE_CODES.values()) == list(V.FLOAT_KINDS)
+
+
 def test_kernels_compile_for_sm90_and_vectorize():
     pytest.importorskip("triton")
     script = Path(__file__).with_name("_compile_kernels_sm90.py")
