@@ -26,6 +26,12 @@ Backends (``fasttrain._backend``): ``"triton"`` runs the multi-tensor kernels of
 fused AdamW; staged through fp32 copies where the layout is not its own, see ``_torch_step``); ``"auto"`` picks
 Triton for CUDA tensors and torch elsewhere (logged once).
 
+Under DeepSpeed ZeRO (the Trainer's client optimizer when the DeepSpeed config has no ``optimizer`` section)
+ZeRO steps this optimizer on its own flat fp32 partitions, one per parameter group (ZeRO-1/2 show it one group
+at a time; under ZeRO-3 the groups are empty outside ``step()``), after the engine clipped the gradients. So
+``state_dtype="8bit"`` quantizes whole partitions (``min_8bit_size`` applies to a partition, not to each
+parameter), and ``bf16_stochastic_rounding`` would have nothing to round: the Trainer integration refuses it.
+
 Nothing about the parameters is cached at construction: state is created lazily in ``step()`` and the launch
 tables are keyed on the tensors' addresses, because FSDP2 swaps parameters for DTensor shards after the
 optimizer exists and Accelerate round-trips ``state_dict`` when it prepares it.
