@@ -102,9 +102,9 @@ SAVE_STEP = 4  # fasttrain-save checkpoints here; fasttrain-resume resumes from 
 
 
 def _run(patched=True, dtype=torch.float32, ds_optimizer=False, optim_args=None, save=False, resume=False,
-         tied=False):
+         tied=False, bf16=False):
     return dict(patched=patched, dtype=dtype, ds_optimizer=ds_optimizer, optim_args=optim_args, save=save,
-                resume=resume, tied=tied)
+                resume=resume, tied=tied, bf16=bf16)
 
 
 RUNS = {
@@ -120,6 +120,9 @@ RUNS = {
     "truth-tied": _run(patched=False, dtype=torch.float64, tied=True),
     "reference-tied": _run(patched=False, tied=True),
     "fasttrain-tied": _run(tied=True),
+    # DeepSpeed's bf16 mode: bf16 weights on the engine, fp32 master partitions in the ZeRO optimizer
+    "reference-bf16": _run(patched=False, bf16=True),
+    "fasttrain-bf16": _run(bf16=True),
     "reference-save": _run(patched=False, save=True),
     "reference-resume": _run(patched=False, resume=True),
 }
@@ -127,6 +130,9 @@ RUNS = {
 
 def train_once(run: str, a: argparse.Namespace) -> dict:
     spec = RUNS[run]
+    # TrainingArguments refuses bf16 without a bf16 GPU unless use_cpu, which would switch DeepSpeed off;
+    # DeepSpeed's CPU accelerator runs bf16
+    transformers.training_args.is_torch_bf16_gpu_available = lambda: True
     patched, dtype = spec["patched"], spec["dtype"]
     fasttrain.unpatch()
     if patched:
@@ -159,6 +165,7 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
         save_strategy="steps" if spec["save"] else "no",
         save_steps=SAVE_STEP,
         accelerator_config={"use_configured_state": True},  # the process state _distributed_state corrected
+        bf16=spec["bf16"],
     )
     trainer = recording(transformers.Trainer)(
         model=model,

@@ -1,7 +1,9 @@
 """DeepSpeed ZeRO-1/2/3 through ``transformers.Trainer`` on CPU (2 processes, gloo), with and without fasttrain.
 
 One torchrun launch per ZeRO stage (tests/_deepspeed_worker.py) trains, in the same processes: the float64 truth,
-the float32 reference, and the same script under ``fasttrain.patch()`` (plus, at some stages, variants). Checked:
+the float32 reference, and the same script under ``fasttrain.patch()`` (plus, at some stages, variants: a DeepSpeed
+``optimizer`` section, 8-bit moments, stochastic rounding, save and resume, a tied lm_head, DeepSpeed's bf16 mode).
+Checked:
 
 - per-step loss and grad_norm: ``|ours - truth| <= K * |reference - truth| + floor`` against the float64 run;
 - every example trained on exactly once per epoch across the two ranks;
@@ -31,7 +33,7 @@ EPOCHS = 2
 LAUNCH_RUNS = {
     1: ["truth", "reference", "fasttrain"],
     2: ["truth", "reference", "fasttrain", "fasttrain-ds-optimizer", "fasttrain-8bit", "fasttrain-stochastic-rounding",
-        "fasttrain-save", "fasttrain-resume"],
+        "fasttrain-save", "fasttrain-resume", "reference-bf16", "fasttrain-bf16"],
     3: ["truth", "reference", "fasttrain", "fasttrain-ds-optimizer", "fasttrain-save", "fasttrain-resume",
         "truth-tied", "reference-tied", "fasttrain-tied"],
 }
@@ -43,6 +45,16 @@ K = 4.0
 # place of the value are rounding noise in every run (2**-23 relative per unit)
 FLOOR_ULPS = 16
 FP32_EPS = 2.0**-23
+# DeepSpeed's bf16 mode rounds weights and activations to bf16 (8 significant bits: 2**-9 relative per
+# rounding); the logged loss and norm average many such roundings, so 1/8 of one rounding of the value is noise
+BF16_FLOOR = 2.0**-12
+# run -> (its float64 truth, its reference, the floor relative to the value)
+BASELINES = {
+    "fasttrain": ("truth", "reference", FLOOR_ULPS * FP32_EPS),
+    "fasttrain-ds-optimizer": ("truth", "reference", FLOOR_ULPS * FP32_EPS),
+    "fasttrain-tied": ("truth-tied", "reference-tied", FLOOR_ULPS * FP32_EPS),
+    "fasttrain-bf16": ("truth", "reference-bf16", BF16_FLOOR),
+}
 DEEPSPEED_CLIPS = "off: DeepSpeed clips inside its engine"
 
 
@@ -90,8 +102,8 @@ def _trained(results: list[dict]) -> list[dict]:
     return results
 
 
-def _within_truth(name: str, ours: float, ref: float, truth: float) -> str | None:
-    bound = K * abs(ref - truth) + FLOOR_ULPS * FP32_EPS * abs(truth)
+def _within_truth(name: str, ours: float, ref: float, truth: float, floor: float) -> str | None:
+    bound = K * abs(ref - truth) + floor * abs(truth)
     if abs(ours - truth) <= bound:
         return None
     return f"{name}: |ours - truth| = {abs(ours - truth):.3e} > {bound:.3e} (|ref - truth| = {abs(ref - truth):.3e})"
@@ -110,6 +122,8 @@ def test_runs_are_zero_on_two_ranks(launched, stage):
         assert len(checksums) <= 1, checksums
     assert all(r["tied"] == name.endswith("-tied") for name, results in runs.items() for r in results if "tied" in r)
     assert {r["weights_dtype"] for r in runs["fasttrain"]} == {"torch.float32"}
+    for name in (n for n in runs if n.endswith("-bf16")):  # DeepSpeed's bf16 mode put the weights in bf16
+        assert {r["weights_dtype"] for r in _trained(runs[name])} == {"torch.bfloat16"}
 
 
 @pytest.mark.parametrize(("stage", "run"), _cases("reference", "fasttrain", "fasttrain-ds-optimizer"))
@@ -120,16 +134,16 @@ def test_every_example_once_per_epoch(launched, stage, run):
         assert seen == list(range(ROWS)), f"epoch {epoch}: rows seen {seen}"
 
 
-@pytest.mark.parametrize(("stage", "run"), _cases("fasttrain", "fasttrain-ds-optimizer", "fasttrain-tied"))
+@pytest.mark.parametrize(("stage", "run"), _cases(*BASELINES))
 def test_loss_and_grad_norm_as_close_to_float64_as_the_reference(launched, stage, run):
     runs = launched(stage)
-    suffix = "-tied" if run.endswith("-tied") else ""
-    truth, ref, ours = (_trained(runs[name])[0]["logs"] for name in (f"truth{suffix}", f"reference{suffix}", run))
+    truth_run, ref_run, floor = BASELINES[run]
+    truth, ref, ours = (_trained(runs[name])[0]["logs"] for name in (truth_run, ref_run, run))
     assert len(ours) == len(ref) == len(truth) == EPOCHS * ROWS // 8
     off = []
     for step, (t, r, o) in enumerate(zip(truth, ref, ours, strict=True), start=1):
         for key in ("loss", "grad_norm"):
-            problem = _within_truth(f"step {step} {key}", o[key], r[key], t[key])
+            problem = _within_truth(f"step {step} {key}", o[key], r[key], t[key], floor)
             if problem:
                 off.append(problem)
     assert not off, "\n".join(off)
@@ -137,7 +151,7 @@ def test_loss_and_grad_norm_as_close_to_float64_as_the_reference(launched, stage
     assert runs[run][0]["logs"] == runs[run][1]["logs"]
 
 
-@pytest.mark.parametrize(("stage", "run"), _cases("fasttrain", "fasttrain-tied"))
+@pytest.mark.parametrize(("stage", "run"), _cases("fasttrain", "fasttrain-tied", "fasttrain-bf16"))
 def test_status_tells_the_truth(launched, stage, run):
     runs = launched(stage)
     ref, ours = _trained(runs[run.replace("fasttrain", "reference")])[0], _trained(runs[run])[0]
