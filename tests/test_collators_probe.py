@@ -133,6 +133,8 @@ def test_the_status_says_why_the_collator_is_off(monkeypatch, tmp_path):
     assert trainer.data_collator is collator
     assert trainer.fasttrain_status["collator"] == f"off: {ft.why_no_native_equivalent(collator)}"
     assert "makes other batches than fasttrain's" in trainer.fasttrain_status["collator"]
+    # a class fasttrain replaces, kept only because it drifted: a fallback (the status line is a WARNING)
+    assert "collator" in fasttrain.integration.seam_of(trainer).fallbacks
 
 
 def test_the_probe_runs_once_per_process_and_class(monkeypatch):

@@ -166,16 +166,17 @@ def _settle(seam: _Seam, optimizer: Any) -> None:
 
 
 def _swap_collator(trainer: Any, seam: _Seam) -> None:
-    from .data.collators import native_equivalent, why_no_native_equivalent
+    from .data.collators import native_equivalent, replaced_in_kind, why_no_native_equivalent
 
     current = trainer.data_collator
     if type(current).__module__.startswith("fasttrain."):
         return  # already ours ("on" once the Trainer's loaders run it)
     native = native_equivalent(current)
     if native is None:
-        # a masked-LM collator is one we replace in kind but not in this setting: a fallback; a user's own
-        # function or subclass is simply not ours to replace
-        seam.off("collator", why_no_native_equivalent(current), fallback=bool(getattr(current, "mlm", False)))
+        # a masked-LM collator, or one the probe refused (this transformers makes other batches, or has a field
+        # we do not know), is a class we replace in kind but not here: a fallback; a user's own function or
+        # subclass is simply not ours to replace
+        seam.off("collator", why_no_native_equivalent(current), fallback=replaced_in_kind(current))
         return
     trainer.data_collator = native
 

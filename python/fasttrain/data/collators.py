@@ -525,6 +525,12 @@ def _twin(ours: type, collator: object) -> object:
     return twin
 
 
+def replaced_in_kind(collator: object) -> bool:
+    """Whether ``collator`` is exactly one of the classes fasttrain replaces (so keeping it is a fallback, not a
+    user's own collator left alone)."""
+    return type(collator) in _equivalents_for(type(collator))
+
+
 def why_no_native_equivalent(collator: object) -> str:
     """Why ``native_equivalent(collator)`` is None, naming the class (or function) with its module."""
     name = _qualified(collator)
