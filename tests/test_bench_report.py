@@ -317,3 +317,13 @@ def test_a_data_error_still_ends_the_bench(monkeypatch):
     monkeypatch.setattr(runner, "run_one", fake_run_one)
     with pytest.raises(runner.BenchError):
         runner.run_all(CONFIG, [Contender("reference", "reference")], 2, progress=False)
+
+
+def test_no_metric_is_named_when_nothing_differs():
+    """With every per-step difference zero, the table names no metric (it used to name the first, `epoch`)."""
+    from fasttrain.bench.summary import largest_metric_difference
+
+    equal = {name: {"max_abs": 0.0, "max_rel": 0.0} for name in ("epoch", "grad_norm", "loss")}
+    assert largest_metric_difference(equal) == {"metric": None, "max_abs": 0.0, "max_rel": 0.0}
+    one_differs = {**equal, "loss": {"max_abs": 1e-7, "max_rel": 2e-7}}
+    assert largest_metric_difference(one_differs)["metric"] == "loss"

@@ -51,6 +51,22 @@ def test_unsupported_dataset_file_type(capsys, tmp_path):
     )
 
 
+def test_dataset_without_text_column_fails_before_any_run(capsys, tmp_path, monkeypatch):
+    """The columns are checked in the parent, before a model is built (it used to fail ~30 s into the
+    reference run)."""
+    from fasttrain.bench import runner
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a contender was started")
+
+    monkeypatch.setattr(runner, "run_all", no_run)
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "hi", "answer": "there"}\n')
+    err = _error(capsys, ["bench", "--device", "cpu", "--dataset", str(path)])
+    assert "no 'text' or 'input_ids' column (columns: prompt, answer)" in err
+    assert err.startswith("fasttrain bench: error:") and err.count("\n") == 1
+
+
 def test_model_directory_without_config(capsys, tmp_path):
     assert "no config.json" in _error(capsys, ["bench", "--device", "cpu", "--model", str(tmp_path)])
 

@@ -37,11 +37,32 @@ def check_dataset_spec(spec: str) -> None:
             raise DatasetError(
                 f"--dataset {spec!r}: unsupported file type {path.suffix!r} (use .json, .jsonl, .parquet or .txt)"
             )
+        # the columns too, before any model is built (a .txt file always gives `text`); the load is cached
+        # by datasets, so the workers read it again at no cost
+        if _LOCAL_FORMATS[path.suffix.lower()] != "text":
+            columns = _quiet_column_names(spec)
+            if "text" not in columns and "input_ids" not in columns:
+                raise DatasetError(
+                    f"--dataset {spec!r} has no 'text' or 'input_ids' column (columns: {', '.join(columns)})"
+                )
         return
     from .models import hub_offline
 
     if hub_offline():
         raise DatasetError(f"--dataset {spec!r} is a hub dataset but HF_HUB_OFFLINE is set; use a local file")
+
+
+def _quiet_column_names(spec: str) -> list[str]:
+    """The columns of a local file, without datasets' progress bars (the parent's error must stay one line)."""
+    from datasets.utils import logging as datasets_logging
+
+    was_on = datasets_logging.is_progress_bar_enabled()
+    datasets_logging.disable_progress_bar()
+    try:
+        return _load_rows(spec).column_names
+    finally:
+        if was_on:
+            datasets_logging.enable_progress_bar()
 
 
 def _load_rows(spec: str):

@@ -163,7 +163,10 @@ def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             d = vs["loss_difference"]
             diff.append(f"{_sci(d['max_abs'])} / {_sci(d['max_rel'])}".replace("n/a / n/a", "n/a"))
             w = vs.get("largest_metric_difference") or {}
-            worst.append(f"{_sci(w.get('max_rel'))} ({w['metric']})" if w.get("metric") else "n/a")
+            if w.get("metric"):
+                worst.append(f"{_sci(w.get('max_rel'))} ({w['metric']})")
+            else:
+                worst.append("0 (every metric equal)" if w.get("max_rel") == 0 else "n/a")
         floor.append(_sci(summary["loss_difference_between_repetitions"]))
     table += [diff, worst, floor, ["hot paths", *[_hot_paths(s) if s else "failed" for _, s in columns]]]
     if failed:

@@ -36,6 +36,8 @@ def largest_metric_difference(differences: dict[str, dict[str, Any]]) -> dict[st
     compared = {name: d for name, d in differences.items() if d["max_rel"] is not None}
     if not compared:
         return {"metric": None, "max_abs": None, "max_rel": None}
+    if not any(d["max_rel"] > 0 for d in compared.values()):  # naming one metric would say it differs
+        return {"metric": None, "max_abs": 0.0, "max_rel": 0.0}
     name = max(compared, key=lambda n: compared[n]["max_rel"])
     return {"metric": name, "max_abs": compared[name]["max_abs"], "max_rel": compared[name]["max_rel"]}
 
