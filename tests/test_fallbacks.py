@@ -107,6 +107,8 @@ def test_a_callback_reading_gradients_sees_them_clipped_as_under_transformers(tm
     assert trainer.fasttrain_status["optimizer"] == "on"
     status_lines = [r for r in caplog.records if "fasttrain hot paths" in r.getMessage()]
     assert len(status_lines) == 1 and status_lines[0].levelno == logging.WARNING
+    # the clip falls back at every step: said once, in the status line (not again on its own at step 2)
+    assert len([r for r in caplog.records if "_GradNormProbe.on_pre_optimizer_step" in r.getMessage()]) == 1
 
 
 @pytest.mark.skipif(not tiny.FUSED_CLIP, reason="this transformers has no Trainer._clip_grad_norm at all")
@@ -208,6 +210,16 @@ def test_an_unsupported_model_is_reported_once(tmp_path, caplog):
     assert trainer.fasttrain_status["loss"].startswith("off: GPT2LMHeadModel is not a causal LM the fused loss knows")
     mentions = [r for r in caplog.records if "GPT2LMHeadModel" in r.getMessage()]
     assert len(mentions) == 1 and mentions[0].levelno == logging.WARNING
+
+
+def test_label_smoothing_is_named_as_why_the_loss_is_off(tmp_path):
+    """The Trainer smooths the loss from the logits (it takes the labels out of the inputs): the status says so,
+    not "no labels"."""
+    trainer = _trainer(tmp_path, label_smoothing_factor=0.1)
+    trainer.train()
+    assert trainer.fasttrain_status["loss"] == (
+        "off: label_smoothing_factor=0.1: the Trainer computes the smoothed loss from the logits"
+    )
 
 
 def test_a_fallback_decided_after_the_status_line_is_logged_once(tmp_path, caplog):

@@ -66,7 +66,8 @@ class _Seam:
     def off(self, name: str, reason: str, fallback: bool = True) -> None:
         """Record why ``name`` does not run; ``fallback`` when the user asked for it and it could apply."""
         if getattr(self.paths, name) and fallback:
-            if self.logged:  # decided after the status line: say it now
+            # decided after the status line: say it now, unless the status line already said this very reason
+            if self.logged and self.status.get(name) != f"off: {reason}":
                 log_once(f"fallback:{name}:{reason}", f"fasttrain: the {name} hot path falls back ({reason})")
             self.fallbacks.add(name)
         self.status[name] = f"off: {reason}"
@@ -142,6 +143,10 @@ def _settle(seam: _Seam, optimizer: Any) -> None:
     if status["loss"] == NOT_RUN:
         if _fused_loss_calls(trainer):
             status["loss"] = "on"
+        elif getattr(trainer, "label_smoother", None) is not None:
+            # the Trainer takes the labels out of the inputs and smooths the loss from the logits itself
+            smoothing = trainer.args.label_smoothing_factor
+            seam.off("loss", f"label_smoothing_factor={smoothing}: the Trainer computes the smoothed loss from the logits")
         else:
             seam.off("loss", "no training forward took the fused path (no labels?)")
     if status["collator"] == NOT_RUN:
