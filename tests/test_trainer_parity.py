@@ -42,8 +42,9 @@ def _train(trainer_cls, kind: str, tmp_path, collator=None, hot_paths=None, trut
 
 def _compare(ref, ours, truth):
     assert len(tiny.step_logs(ref)) == ref.args.max_steps
-    _truth.assert_logs_near_truth(ours, ref, truth, _truth.FP32_STEP, keys=("loss", "grad_norm"),
-                                  abs_floor=LOG_FLOOR)
+    # transformers < 5 logs no grad_norm without clipping (assert_logs_near_truth checks all three log the same keys)
+    keys = ("loss", "grad_norm") if "grad_norm" in tiny.step_logs(ref)[0] else ("loss",)
+    _truth.assert_logs_near_truth(ours, ref, truth, _truth.FP32_STEP, keys=keys, abs_floor=LOG_FLOOR)
     _truth.assert_params_near_truth(ours.model, ref.model, truth.model)
 
 
