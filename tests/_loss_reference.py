@@ -50,18 +50,6 @@ def as_truth(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().double().clone().requires_grad_()
 
 
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |ours - ref| / max |ref| (a relative error that a single tiny entry cannot blow up)."""
-    ours, ref = ours.detach().double(), ref.detach().double()
-    return float((ours - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
-
-
-def norm_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """||ours - ref|| / ||ref||: the bf16 yardstick (per-element bf16 rounding averages out)."""
-    ours, ref = ours.detach().double(), ref.detach().double()
-    return float((ours - ref).norm() / ref.norm().clamp(min=1e-30))
-
-
 def make_inputs(n, h, v, *, dtype=torch.float32, ignore_frac=0.0, bias=False, seed=0, ignore_index=-100):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, h, generator=g, dtype=torch.float64)

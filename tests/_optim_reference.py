@@ -89,29 +89,6 @@ def snapshot(params) -> list[torch.Tensor]:
     return [p.detach().clone() for p in params]
 
 
-def assert_tracks(ours, ref, start, rtol, ulps=1.0, what="parameters"):
-    """Per tensor, ``||ours - ref|| <= rtol * ||ref - start|| + ulps * ||spacing(ref)||`` (in fp32).
-
-    The yardstick is the update: Adam normalises each step, so a rounding-level difference of a near-zero
-    gradient becomes an update-sized difference of that element; elementwise tolerances are either flaky or
-    too loose to mean anything. ``ulps`` adds a floor of that many rounding steps of the parameter's dtype (a
-    one-element tensor one rounding apart; a bf16 tensor whose update rounds away). Every tensor off is listed.
-    """
-    off = []
-    worst = 0.0
-    for i, (a, b, s) in enumerate(zip(ours, ref, start, strict=True)):
-        a32, b32, s32 = (x.detach().float() for x in (a, b, s))
-        err = float((a32 - b32).norm())
-        update = float((b32 - s32).norm())
-        spacing = float((torch.finfo(b.dtype).eps * b32.abs()).norm())
-        allowed = rtol * update + ulps * spacing
-        worst = max(worst, err / max(allowed, 1e-30))
-        if not err <= allowed:  # also catches NaN
-            off.append(f"#{i} {tuple(a.shape)} {a.dtype}: |ours-ref| {err:.3e} > {allowed:.3e} (update {update:.3e})")
-    assert not off, f"{what} off (rtol={rtol}, ulps={ulps}):\n  " + "\n  ".join(off)
-    return worst
-
-
 def assert_tracks_truth(ours, ref, truth, k, ulps, what="parameters"):
     """Per tensor, ``||ours - f64|| <= k * ||ref - f64|| + ulps * eps(dtype) * ||f64||`` (tests/_truth_ops.py).
 
