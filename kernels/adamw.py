@@ -28,6 +28,7 @@ device (no host sync). Offsets are 64-bit (a 7B model has single tensors of 500M
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,7 +37,12 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fasttrain._backend import triton_interpreting
+
+def _interpreting() -> bool:
+    """Triton's CPU interpreter is on (it has no libdevice). Read here, not from the package: the kernels
+    import nothing of fasttrain's, so they load on their own (the sm_90 compile check, other projects)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
 
 # Elements per program and per vector op. 16K elements per program keeps the grid small for 7B
 # parameters (~450K programs) while a 2K-element norm tensor still gets its own program.
@@ -477,7 +483,7 @@ def launch_args(table: TensorTable, args: StepArgs) -> tuple[tuple, dict]:
     constexprs = dict(
         LR_IS_TENSOR=lr_is_tensor, HAS_CLIP=args.clip_coef is not None, HAS_GRAD_SCALE=args.grad_scale is not None,
         HAS_FOUND_INF=args.found_inf is not None, AMSGRAD=args.amsgrad, MAXIMIZE=args.maximize,
-        SR=args.sr_seed is not None, USE_LIBDEVICE=not triton_interpreting(), num_warps=NUM_WARPS,
+        SR=args.sr_seed is not None, USE_LIBDEVICE=not _interpreting(), num_warps=NUM_WARPS,
     )  # fmt: skip
     return positional, constexprs
 

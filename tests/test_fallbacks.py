@@ -18,6 +18,7 @@ import _tiny as tiny
 import _truth
 import fasttrain
 from fasttrain import FusedAdamW, HotPaths, integration
+from fasttrain.optim import options as optim_options
 
 
 def _trainer(tmp_path, cls=fasttrain.Trainer, model=None, **arg_overrides):
@@ -178,11 +179,11 @@ def test_optimizer_blockers(tmp_path, monkeypatch):
 def test_optim_args_reach_fused_adamw(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTTRAIN_OPTIM_ARGS", "amsgrad=true,backend=triton")
     args = tiny.training_args(str(tmp_path), optim_args="backend=torch, maximize=false")
-    assert integration.fused_adamw_options(args) == {"amsgrad": True, "backend": "torch", "maximize": False}
+    assert optim_options.fused_adamw_options(args) == {"amsgrad": True, "backend": "torch", "maximize": False}
     with pytest.raises(ValueError, match="does not understand 'betas2'"):
-        integration.fused_adamw_options(tiny.training_args(str(tmp_path), optim_args="betas2=0.9"))
+        optim_options.fused_adamw_options(tiny.training_args(str(tmp_path), optim_args="betas2=0.9"))
     with pytest.raises(ValueError, match="amsgrad='maybe'"):
-        integration.fused_adamw_options(tiny.training_args(str(tmp_path), optim_args="amsgrad=maybe"))
+        optim_options.fused_adamw_options(tiny.training_args(str(tmp_path), optim_args="amsgrad=maybe"))
     trainer = _trainer(tmp_path, optim_args="amsgrad=true")
     trainer.train()
     assert trainer.optimizer.optimizer.param_groups[0]["amsgrad"] is True

@@ -59,3 +59,33 @@ def dump(path, payload: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(payload, handle, indent=2, sort_keys=False)
         handle.write("\n")
+
+
+def training_kwargs(config: BenchConfig, contender: Contender, output_dir: str, args_cls) -> dict[str, Any]:
+    """The arguments every contender shares, for ``args_cls`` (TrainingArguments or a TRL config subclass)."""
+    fields = {f.name for f in dataclasses.fields(args_cls)}
+    kwargs: dict[str, Any] = dict(
+        output_dir=output_dir,
+        max_steps=config.steps,
+        per_device_train_batch_size=config.batch_size,
+        gradient_accumulation_steps=config.grad_accum,
+        learning_rate=config.learning_rate,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        dataloader_num_workers=0,
+        seed=config.seed,
+        bf16=config.bf16,
+        use_cpu=config.device == "cpu",
+        disable_tqdm=True,
+        include_num_input_tokens_seen="non_padding",
+    )
+    if config.group_by_length:
+        # transformers 5.x names it train_sampling_strategy; older releases (the GPU machine's 5.17 may) group_by_length
+        if "train_sampling_strategy" in fields:
+            kwargs["train_sampling_strategy"] = "group_by_length"
+        else:
+            kwargs["group_by_length"] = True
+    if contender.trainer == LIGER:
+        kwargs["use_liger_kernel"] = True
+    return kwargs

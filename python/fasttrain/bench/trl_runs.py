@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from .config import FASTTRAIN, BenchConfig, Contender
+from .config import FASTTRAIN, BenchConfig, Contender, training_kwargs
 
 # fraction of each example that is prompt, drawn per example from this range with the bench's seed
 PROMPT_FRACTION = (0.1, 0.6)
@@ -70,7 +70,6 @@ def build_trainer(
     import datasets
     import trl
 
-    from .worker import training_kwargs
 
     if contender.trainer == FASTTRAIN:
         import fasttrain

@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Any
 
-from .config import FASTTRAIN, LIGER, BenchConfig, Contender, dump
+from .config import FASTTRAIN, BenchConfig, Contender, dump, training_kwargs
 
 
 def _rss_mb() -> float:
@@ -63,36 +63,6 @@ def _tokenizer_for(config: BenchConfig):
             return tok
     path, _ = tokenizer.load_or_train()
     return tokenizer.as_transformers_tokenizer(path)
-
-
-def training_kwargs(config: BenchConfig, contender: Contender, output_dir: str, args_cls) -> dict[str, Any]:
-    """The arguments every contender shares, for ``args_cls`` (TrainingArguments or a TRL config subclass)."""
-    fields = {f.name for f in dataclasses.fields(args_cls)}
-    kwargs: dict[str, Any] = dict(
-        output_dir=output_dir,
-        max_steps=config.steps,
-        per_device_train_batch_size=config.batch_size,
-        gradient_accumulation_steps=config.grad_accum,
-        learning_rate=config.learning_rate,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        dataloader_num_workers=0,
-        seed=config.seed,
-        bf16=config.bf16,
-        use_cpu=config.device == "cpu",
-        disable_tqdm=True,
-        include_num_input_tokens_seen="non_padding",
-    )
-    if config.group_by_length:
-        # transformers 5.x names it train_sampling_strategy; older releases (the GPU machine's 5.17 may) group_by_length
-        if "train_sampling_strategy" in fields:
-            kwargs["train_sampling_strategy"] = "group_by_length"
-        else:
-            kwargs["group_by_length"] = True
-    if contender.trainer == LIGER:
-        kwargs["use_liger_kernel"] = True
-    return kwargs
 
 
 def _recorder(config: BenchConfig, progress_path: str | None, is_cuda: bool):
