@@ -63,18 +63,6 @@ def ds_config(stage: int, with_optimizer: bool) -> dict:
     return config
 
 
-def recording(base):
-    class Recording(base):
-        rows_by_epoch: dict[int, list[int]]
-
-        def training_step(self, model, inputs, *args, **kwargs):
-            epoch = int(self.state.epoch or 0)
-            self.rows_by_epoch.setdefault(epoch, []).extend(tiny.row_ids(inputs["input_ids"]))
-            return super().training_step(model, inputs, *args, **kwargs)
-
-    return Recording
-
-
 def _distributed_state() -> PartialState:
     """Accelerate's process state, started as the Trainer will start it, with the true process count.
 
@@ -167,7 +155,7 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
         accelerator_config={"use_configured_state": True},  # the process state _distributed_state corrected
         bf16=spec["bf16"],
     )
-    trainer = recording(transformers.Trainer)(
+    trainer = tiny.recording(transformers.Trainer)(
         model=model,
         args=args,
         train_dataset=tiny.dataset(n=a.rows, with_length=True),

@@ -67,6 +67,21 @@ def row_ids(input_ids: torch.Tensor) -> list[int]:
     return [int(a - 2) * 200 + int(b - 2) for a, b in input_ids[:, :2].tolist()]
 
 
+def recording(base: type) -> type:
+    """``base`` (a Trainer class) that records the row indices (``row_ids``) each epoch's training steps saw,
+    in ``rows_by_epoch``: the distributed tests check every example is seen exactly once per epoch."""
+
+    class Recording(base):
+        rows_by_epoch: dict[int, list[int]]
+
+        def training_step(self, model, inputs, *args, **kwargs):
+            epoch = int(self.state.epoch or 0)
+            self.rows_by_epoch.setdefault(epoch, []).extend(row_ids(inputs["input_ids"]))
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    return Recording
+
+
 def training_args(out: str, **overrides) -> transformers.TrainingArguments:
     base = dict(
         output_dir=out,

@@ -33,18 +33,6 @@ class KillAtSave(transformers.TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def recording(base):
-    class Recording(base):
-        rows_by_epoch: dict[int, list[int]]
-
-        def training_step(self, model, inputs, *args, **kwargs):
-            epoch = int(self.state.epoch or 0)
-            self.rows_by_epoch.setdefault(epoch, []).extend(tiny.row_ids(inputs["input_ids"]))
-            return super().training_step(model, inputs, *args, **kwargs)
-
-    return Recording
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -60,7 +48,7 @@ def main() -> None:
     a = p.parse_args()
 
     base = fasttrain.Trainer if a.trainer == "fasttrain" else transformers.Trainer
-    cls = recording(base)
+    cls = tiny.recording(base)
     tok = tiny.tokenizer()
     overrides = dict(
         max_steps=a.max_steps if a.epochs is None else -1,
