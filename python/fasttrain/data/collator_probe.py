@@ -211,8 +211,9 @@ def flattening_drops_empty_examples(transformers_version: str) -> bool:
         return False
 
 
-def _difference(ours: Any, theirs: Any) -> str | None:
-    """Where two batches differ (None: same type, keys in order, and per value type, dtype, shape, values)."""
+def batch_difference(ours: Any, theirs: Any) -> str | None:
+    """Where two batches differ (None: same type, keys in order, and per value type, dtype, shape, values).
+    Also the TRL collators' agreement check (``trl_collators.agrees_with_trl``)."""
     if type(ours) is not type(theirs):
         return f"a {type(ours).__name__} where transformers returns a {type(theirs).__name__}"
     if list(ours.keys()) != list(theirs.keys()):
@@ -250,7 +251,7 @@ def _probe(theirs_cls: type, ours_cls: type, transformers_version: str) -> str |
                 ours = ours_cls(**kwargs)._native_call(copy.deepcopy(features))
             except Exception as err:  # any failure, a hand-over included, means: transformers' collator runs
                 return f"{where} fails: {type(err).__name__}: {err}"
-            difference = _difference(ours, theirs)
+            difference = batch_difference(ours, theirs)
             if difference is not None:
                 return f"{where}: {difference}"
     return None

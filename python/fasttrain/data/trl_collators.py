@@ -39,6 +39,7 @@ from trl.trainer import sft_trainer as trl_sft
 from .._logging import log_once
 from . import _rows
 from ._rows import HandOver, Rows, column, read, round_up
+from .collator_probe import batch_difference
 
 __all__ = ["EQUIVALENTS", "DataCollatorForLanguageModeling", "DataCollatorForPreference", "agrees_with_trl"]
 
@@ -299,14 +300,11 @@ def agrees_with_trl() -> bool:
         try:
             got = EQUIVALENTS[theirs_cls](**kwargs)(copy.deepcopy(examples))
             expected = theirs_cls(**kwargs)(copy.deepcopy(examples))
-            same = list(got) == list(expected) and all(
-                type(got[k]) is type(v)
-                and (torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v)
-                for k, v in expected.items()
-            )
+            difference = batch_difference(got, expected)
         except Exception as err:  # any failure means: keep TRL's collator
-            same, what = False, f"{what} ({err})"
-        if not same:
+            difference = f"{type(err).__name__}: {err}"
+        if difference is not None:
+            what = f"{what} ({difference})"
             log_once(
                 "trl-collators-disagree",
                 f"fasttrain: TRL {trl.__version__}'s {what} makes other batches than fasttrain's equivalent "
