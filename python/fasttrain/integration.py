@@ -146,7 +146,8 @@ def _settle(seam: _Seam, optimizer: Any) -> None:
         elif getattr(trainer, "label_smoother", None) is not None:
             # the Trainer takes the labels out of the inputs and smooths the loss from the logits itself
             smoothing = trainer.args.label_smoothing_factor
-            seam.off("loss", f"label_smoothing_factor={smoothing}: the Trainer computes the smoothed loss from the logits")
+            reason = f"label_smoothing_factor={smoothing}: the Trainer computes the smoothed loss from the logits"
+            seam.off("loss", reason)
         else:
             seam.off("loss", "no training forward took the fused path (no labels?)")
     if status["collator"] == NOT_RUN:

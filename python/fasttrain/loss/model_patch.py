@@ -145,8 +145,9 @@ def _zero3_problem(weight: torch.Tensor) -> str | None:
 
 
 def _unread_weight(head: nn.Module) -> torch.Tensor:
-    # the parameter object itself: under ZeRO-3 reading `head.weight` in the forward gathers it, which the
-    # check before the backbone must not do (the weight would then be held whole through the backbone)
+    # the parameter object itself: under ZeRO-3 `head.weight` (and `_parameters["weight"]`: DeepSpeed's
+    # parameter dict gathers on item access) in the forward gathers it, which the check before the backbone
+    # must not do (the weight would be held whole through the backbone); iterating the items does not gather
     return dict(head._parameters.items())["weight"]
 
 
