@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "DataCollatorWithFlattening": ".data.collators",
     "LengthGroupedSampler": ".data.sampler",
     "DistributedLengthGroupedSampler": ".data.sampler",
+    "TokenBudgetBatchSampler": ".data.sampler",
 }
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "FusedAdamW",
     "HotPaths",
     "LengthGroupedSampler",
+    "TokenBudgetBatchSampler",
     "Trainer",
     "TrainingArguments",
     "__version__",
@@ -74,7 +76,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         DataCollatorWithFlattening,
         DataCollatorWithPadding,
     )
-    from .data.sampler import DistributedLengthGroupedSampler, LengthGroupedSampler
+    from .data.sampler import DistributedLengthGroupedSampler, LengthGroupedSampler, TokenBudgetBatchSampler
     from .hot_paths import HotPaths
     from .loss import fused_linear_cross_entropy
     from .optim import FusedAdamW

@@ -41,4 +41,16 @@ def length_grouped_indices(
 ) -> npt.NDArray[np.int64]:
     """transformers' get_length_grouped_indices given the permutation torch.randperm(len(lengths))."""
 
+def token_budget_offsets(
+    order: npt.NDArray[np.int64],
+    lengths: npt.NDArray[np.int64],
+    max_tokens: int,
+    num_replicas: int = 1,
+    drop_last: bool = False,
+) -> npt.NDArray[np.int64]:
+    """Boundaries of greedy token-budget batches of order (batch b is order[offsets[b]:offsets[b + 1]]),
+    their count made a multiple of num_replicas by splitting the largest batches (or, with drop_last,
+    by dropping trailing ones). ValueError for a zero budget or rank count, a negative length, an index
+    out of range, or fewer examples than ranks without drop_last."""
+
 # --- end sampler ---

@@ -1,4 +1,5 @@
-"""Drop-in ``LengthGroupedSampler`` and ``DistributedLengthGroupedSampler`` (grouping in Rust).
+"""Drop-in ``LengthGroupedSampler`` and ``DistributedLengthGroupedSampler`` (grouping in Rust), and
+``TokenBudgetBatchSampler`` (batches within a token budget, for packed rows; no transformers counterpart).
 
 Same constructor arguments and the same index order as ``transformers.trainer_pt_utils``' classes for
 the same generator state: the permutation is ``torch.randperm(n, generator=generator)``, drawn exactly as
@@ -187,3 +188,164 @@ class DistributedLengthGroupedSampler(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         self.iterations_started += 1
         return iter(self.indices().tolist())
+
+
+def _max_tokens(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(
+            f"max_tokens_per_batch must be a positive integer, got {value!r} ({type(value).__name__})"
+        )
+    if value < 1:
+        raise ValueError(f"max_tokens_per_batch must be at least 1, got {value}")
+    return min(int(value), 2**64 - 1)
+
+
+def token_budget_batches(
+    lengths: Any,
+    max_tokens_per_batch: int,
+    order: Any = None,
+    num_replicas: int = 1,
+    drop_last: bool = False,
+) -> list[np.ndarray]:
+    """``order`` (default ``0..n-1``) cut into batches of at most ``max_tokens_per_batch`` tokens each.
+
+    Greedy in order: an example joins the current batch while the batch's summed lengths stay within the
+    budget, else it starts the next batch; an example longer than the budget is a batch of its own (trained
+    on, not dropped). The number of batches is then made a multiple of ``num_replicas`` by splitting the
+    batch with the most tokens (of those with two or more examples) at half its tokens, so that every
+    example is still in exactly one batch; with ``drop_last`` the trailing batches that do not fill a round
+    of ranks are dropped instead. Raises ValueError for a budget below 1, bad lengths, an order that is not
+    made of indices into ``lengths``, or too few examples to give every rank a batch.
+    """
+    budget = _max_tokens(max_tokens_per_batch)
+    lengths = as_length_array(lengths)
+    if order is None:
+        order = np.arange(len(lengths), dtype=np.int64)
+    else:
+        order = as_length_array(order, "order") if not _is_int64_array(order) else order
+    num_replicas = _positive_int(num_replicas, "num_replicas")
+    offsets = _native.token_budget_offsets(order, lengths, budget, num_replicas, bool(drop_last))
+    return [order[start:end] for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)]
+
+
+def _is_int64_array(value: Any) -> bool:
+    return isinstance(value, np.ndarray) and value.dtype == np.int64 and value.flags.c_contiguous
+
+
+def _world() -> tuple[int, int]:
+    """(world size, rank) of the initialized default process group, else (1, 0)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+class TokenBudgetBatchSampler(Sampler[list[int]]):
+    r"""Batches of whole examples holding at most ``max_tokens_per_batch`` tokens each, for packed rows.
+
+    With padding-free (packed) batches a batch is one row of its examples end to end, so a fixed number of
+    examples per batch gives rows of very different sizes (and memory peaks) on real, long-tailed lengths; a
+    token budget keeps the row size stable. Use it as a DataLoader's ``batch_sampler``::
+
+        sampler = fasttrain.TokenBudgetBatchSampler(4096, dataset=train_dataset, seed=args.seed)
+        loader = DataLoader(train_dataset, batch_sampler=sampler, collate_fn=collator)
+
+    Each epoch every example is in exactly one batch. The order is a random permutation
+    (``torch.randperm`` from ``generator``, else from a generator seeded with ``seed + epoch``; call
+    ``set_epoch`` each epoch as with ``DistributedSampler``), or transformers' length-grouped order with
+    ``group_by_length=True`` (megabatches sized for the typical batch, ``max_tokens_per_batch`` over the mean
+    length), or the dataset order with ``shuffle=False``; the order is cut greedily (see
+    :func:`token_budget_batches`). An example longer than the budget gets a batch of its own: truncation is
+    the tokenizer's or the collator's decision, not the sampler's.
+
+    Data parallel: with ``num_replicas`` ranks (default: the initialized process group's size and rank,
+    else 1 and 0) every rank draws the same order from ``seed + epoch`` (``generator`` is refused: ranks
+    must agree), the batches are split until their number is a multiple of ``num_replicas``, and rank ``r``
+    takes batches ``r, r + num_replicas, ...``: whole batches, the same number on every rank (none waits for
+    another in a collective), each example once across ranks. ``drop_last=True`` drops the trailing batches
+    that do not fill a round instead.
+
+    ``len()`` is the number of batches of the epoch the next ``iter()`` runs (it varies a little with the
+    order); with a ``generator`` that epoch's order is drawn when ``len()`` or ``iter()`` first needs it.
+    """
+
+    def __init__(
+        self,
+        max_tokens_per_batch: int,
+        dataset: Any = None,
+        lengths: Any = None,
+        model_input_name: str | None = None,
+        *,
+        shuffle: bool = True,
+        group_by_length: bool = False,
+        generator: torch.Generator | None = None,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        drop_last: bool = False,
+    ):
+        self.max_tokens_per_batch = _max_tokens(max_tokens_per_batch)
+        self.lengths = _resolve_lengths(dataset, lengths, model_input_name)
+        if num_replicas is None or rank is None:
+            world, own = _world()
+            num_replicas = world if num_replicas is None else num_replicas
+            rank = own if rank is None else rank
+        self.num_replicas = _positive_int(num_replicas, "num_replicas")
+        if (
+            isinstance(rank, bool)
+            or not isinstance(rank, numbers.Integral)
+            or not 0 <= rank < self.num_replicas
+        ):
+            raise ValueError(f"rank must be an integer in [0, {self.num_replicas}), got {rank!r}")
+        if generator is not None and self.num_replicas > 1:
+            raise ValueError(
+                "TokenBudgetBatchSampler with num_replicas > 1 draws its order from seed + epoch so that every "
+                "rank cuts the same batches: pass seed=..., not generator="
+            )
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        self.rank = int(rank)
+        self.shuffle = bool(shuffle)
+        self.group_by_length = bool(group_by_length)
+        self.generator = generator
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        self.iterations_started = 0  # evidence for fasttrain's status that this sampler ran
+        self._planned: tuple[int, list[np.ndarray]] | None = None  # (epoch, this rank's batches)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the order of ``epoch`` (seeded with ``seed + epoch`` when no generator was given)."""
+        self.epoch = epoch
+
+    def _order(self) -> np.ndarray:
+        n = len(self.lengths)
+        if not self.shuffle:
+            return np.arange(n, dtype=np.int64)
+        generator = self.generator
+        if generator is None:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+        if self.group_by_length and n:
+            typical = max(1, self.max_tokens_per_batch // max(1, round(float(self.lengths.mean()))))
+            return length_grouped_indices(self.lengths, min(typical, _MAX_NATIVE_SIZE), generator=generator)
+        return torch.randperm(n, generator=generator).numpy()
+
+    def batches(self) -> list[np.ndarray]:
+        """This rank's batches for the epoch the next ``iter()`` runs, as int64 arrays."""
+        if self._planned is None or self._planned[0] != self.epoch:
+            every = token_budget_batches(
+                self.lengths, self.max_tokens_per_batch, self._order(), self.num_replicas, self.drop_last
+            )
+            self._planned = (self.epoch, every[self.rank :: self.num_replicas])
+        return self._planned[1]
+
+    def __len__(self) -> int:
+        return len(self.batches())
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self.batches()
+        self._planned = None  # the next epoch draws its own order
+        self.iterations_started += 1
+        return iter([batch.tolist() for batch in batches])
