@@ -14,8 +14,13 @@ Two measurements, reference and fasttrain alternating, medians of several repeti
 Both sides are checked to give the same lengths and the same order before anything is timed.
 Writes benchmarks/results/sampler.json and sampler.md.
 
+``--budget-only``: token-budget batches (``TokenBudgetBatchSampler``, which has no transformers counterpart),
+the Rust cut against the simplest numpy form of the same greedy cut (one ``searchsorted`` per batch) and a
+plain Python loop, on log-normal lengths (median 180, 16..1024); writes sampler_budget.json and .md.
+
     python benchmarks/bench_sampler.py            # 1M rows (about 2 minutes on 2 cores)
     python benchmarks/bench_sampler.py --rows 20000 --repeats 2 --out /tmp   # smoke run
+    python benchmarks/bench_sampler.py --budget-only   # token-budget batches, 1M rows (well under a minute)
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 
 import fasttrain
 from fasttrain.bench.report import cpu_model
-from fasttrain.data.sampler import LengthGroupedSampler, length_grouped_indices
+from fasttrain.data.sampler import LengthGroupedSampler, length_grouped_indices, token_budget_batches
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -73,6 +78,121 @@ def numpy_grouped_indices(lengths: np.ndarray, batch_size: int, generator: torch
     longest = int(np.argmax(lengths[order[::size]])) * size
     order[0], order[longest] = order[longest], order[0]
     return order
+
+
+def numpy_budget_offsets(order: np.ndarray, lengths: np.ndarray, budget: int) -> np.ndarray:
+    """The simplest numpy form of the greedy token-budget cut (what the Rust cut has to beat): over the
+    prefix sums, each batch ends where the next ``budget`` tokens run out (one ``searchsorted`` per batch;
+    a batch takes at least one example)."""
+    prefix = np.concatenate([[0], np.cumsum(lengths[order])])
+    n = len(order)
+    offsets = [0]
+    start = 0
+    while start < n:
+        end = int(np.searchsorted(prefix, prefix[start] + budget, side="right")) - 1
+        start = max(end, start + 1)
+        offsets.append(start)
+    return np.asarray(offsets, dtype=np.int64)
+
+
+def python_budget_offsets(order: list[int], lengths: list[int], budget: int) -> list[int]:
+    """The same cut as a plain Python loop over the examples."""
+    offsets, tokens = [0], 0
+    for position, index in enumerate(order):
+        if position > offsets[-1] and tokens + lengths[index] > budget:
+            offsets.append(position)
+            tokens = 0
+        tokens += lengths[index]
+    if order:
+        offsets.append(len(order))
+    return offsets
+
+
+def rust_budget_offsets(order: np.ndarray, lengths: np.ndarray, budget: int) -> np.ndarray:
+    return fasttrain._native.token_budget_offsets(order, lengths, budget)
+
+
+def budget_main(args: argparse.Namespace, command: str) -> None:
+    """Token-budget batches: Rust against the numpy form and a Python loop (same order, same cut)."""
+    load_before = os.getloadavg()
+    rng = np.random.default_rng(args.seed)
+    lengths = np.clip(rng.lognormal(np.log(180), 0.8, size=args.rows), 16, 1024).astype(np.int64)
+    order = torch.randperm(args.rows, generator=torch.Generator().manual_seed(args.seed)).numpy()
+    budget = args.max_tokens
+    rust = rust_budget_offsets(order, lengths, budget)
+    assert np.array_equal(numpy_budget_offsets(order, lengths, budget), rust), "the numpy form differs"
+    order_list, lengths_list = order.tolist(), lengths.tolist()
+    assert python_budget_offsets(order_list, lengths_list, budget) == rust.tolist(), "the Python loop differs"
+    # and the public path cuts the same batches
+    assert [len(b) for b in token_budget_batches(lengths, budget, order)] == np.diff(rust).tolist()
+    numpy_times, rust_times = alternate(
+        lambda: numpy_budget_offsets(order, lengths, budget),
+        lambda: rust_budget_offsets(order, lengths, budget),
+        args.repeats,
+    )
+    python_times, rust_again = alternate(
+        lambda: python_budget_offsets(order_list, lengths_list, budget),
+        lambda: rust_budget_offsets(order, lengths, budget),
+        args.repeats,
+    )
+    results = {
+        "benchmark": "sampler_budget",
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "machine": {
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "load_average_at_start": load_before,
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+            "fasttrain": fasttrain.__version__,
+        },
+        "config": {
+            "rows": args.rows,
+            "max_tokens_per_batch": budget,
+            "lengths": "log-normal, median 180, sigma 0.8, clipped to 16..1024",
+            "mean_length": float(lengths.mean()),
+            "batches": len(rust) - 1,
+            "repeats": args.repeats,
+        },
+        "numpy_form": summary(numpy_times, rust_times, args.rows),
+        "python_loop": summary(python_times, rust_again, args.rows),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sampler_budget.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "sampler_budget.md").write_text(budget_markdown(results))
+    print(budget_markdown(results))
+
+
+def budget_markdown(r: dict) -> str:
+    c, m, v = r["config"], r["machine"], r["versions"]
+
+    def row(name: str, d: dict) -> str:
+        return (
+            f"| {name} | {d['reference_median_s'] * 1e3:,.2f} ms | {d['fasttrain_median_s'] * 1e3:,.2f} ms "
+            f"| {d['speedup']:,.1f}x |"
+        )
+
+    return f"""# Token-budget batches: the Rust cut against numpy and plain Python
+
+{r["date_utc"]} · {m["cpu"]}, {m["cores"]} cores (load average at start {m["load_average_at_start"][0]:.2f};
+a machine shared with other work) · Python {v["python"]}, torch {v["torch"]}, numpy {v["numpy"]},
+fasttrain {v["fasttrain"]}
+
+Command: `{r["command"]}`
+
+{c["rows"]:,} examples with {c["lengths"]} (mean {c["mean_length"]:.1f}), one `torch.randperm` order, cut
+into batches of at most {c["max_tokens_per_batch"]:,} tokens ({c["batches"]:,} batches). All three give the same
+boundaries (checked before timing). Alternating runs, garbage collector off during each; medians of {c["repeats"]}.
+
+| cut | other | Rust (`_native.token_budget_offsets`) | speed-up |
+| --- | --- | --- | --- |
+{row("simplest numpy form (one `searchsorted` per batch)", r["numpy_form"])}
+{row("plain Python loop over the examples", r["python_loop"])}
+"""
 
 
 def timed(fn):
@@ -126,8 +246,13 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--budget-only", action="store_true", help="only the token-budget batches")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="token budget of --budget-only")
     args = parser.parse_args()
     command = shlex.join(["python", "benchmarks/bench_sampler.py", *sys.argv[1:]])
+    if args.budget_only:
+        budget_main(args, command)
+        return
     load_before = os.getloadavg()
 
     ds = build_dataset(args.rows, args.min_length, args.max_length, args.seed)
