@@ -24,7 +24,9 @@ def tokenizer(padding_side: str = "right") -> transformers.PreTrainedTokenizerFa
     return fast
 
 
-def model(kind: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
+def model(
+    kind: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32
+) -> transformers.PreTrainedModel:
     common = dict(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -121,10 +123,14 @@ def assert_same_logs(ref: transformers.Trainer, ours: transformers.Trainer, rtol
     ref_logs, our_logs = step_logs(ref), step_logs(ours)
     assert len(ref_logs) == len(our_logs) > 0
     for step, (a, b) in enumerate(zip(ref_logs, our_logs, strict=True), start=1):
-        assert b["loss"] == pytest.approx(a["loss"], rel=rtol, abs=LOGGED_LOSS_ABS), f"loss differs at step {step}"
+        assert b["loss"] == pytest.approx(a["loss"], rel=rtol, abs=LOGGED_LOSS_ABS), (
+            f"loss differs at step {step}"
+        )
         assert ("grad_norm" in a) == ("grad_norm" in b)
         if "grad_norm" in a:
-            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rtol), f"grad_norm differs at step {step}"
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rtol), (
+                f"grad_norm differs at step {step}"
+            )
 
 
 def grouping_args() -> dict:
@@ -136,8 +142,10 @@ def grouping_args() -> dict:
 
 def all_on_status() -> dict[str, str]:
     """The status of a run with every hot path on and applicable, on this transformers."""
-    clip = "on" if FUSED_CLIP else f"off: transformers {transformers.__version__} has no Trainer._clip_grad_norm"
-    return {"optimizer": "on", "clip": clip, "loss": "on", "collator": "on", "sampler": "on"}
+    clip = (
+        "on" if FUSED_CLIP else f"off: transformers {transformers.__version__} has no Trainer._clip_grad_norm"
+    )
+    return {"optimizer": "on", "clip": clip, "loss": "on", "collator": "on", "sampler": "on", "packing": "on"}
 
 
 def text_dataset(n: int = 24, seed: int = 0):
@@ -156,7 +164,9 @@ def text_dataset(n: int = 24, seed: int = 0):
     return datasets.Dataset.from_dict(rows)
 
 
-def assert_same_updates(ours: torch.nn.Module, ref: torch.nn.Module, init: torch.nn.Module, rtol: float) -> None:
+def assert_same_updates(
+    ours: torch.nn.Module, ref: torch.nn.Module, init: torch.nn.Module, rtol: float
+) -> None:
     """Each parameter of ``ours`` equals ``ref``'s to ``rtol`` of the change training made to it.
 
     Adam normalises every update, so a rounding-level gradient difference on a near-zero gradient becomes an
@@ -169,7 +179,9 @@ def assert_same_updates(ours: torch.nn.Module, ref: torch.nn.Module, init: torch
         update = (expected[name] - start[name]).detach().float().norm()
         diff = (p - expected[name]).detach().float().norm()
         if diff > rtol * update or (update == 0 and diff > 0):
-            off.append(f"{name}: |ours - ref| = {diff:.3e}, |update| = {update:.3e}, ratio {diff / update:.2e}")
+            off.append(
+                f"{name}: |ours - ref| = {diff:.3e}, |update| = {update:.3e}, ratio {diff / update:.2e}"
+            )
     assert not off, f"parameters off by more than {rtol} of their update:\n" + "\n".join(off)
 
 

@@ -29,6 +29,20 @@ def pad_rows(
     ValueError for a row longer than `width` (naming the example and `key`); MemoryError when the output
     cannot be allocated.
     """
+
+def pack_padded(
+    input_ids: npt.NDArray[np.int64],
+    labels: npt.NDArray[np.int64],
+    attention_mask: npt.NDArray[np.int64] | None = None,
+) -> tuple[
+    npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], str | None
+]:
+    """A padded causal-LM batch (int64 [rows, width] each) packed into one padding-free row: (input_ids, labels
+    with each example's first token -100, position_ids restarting at each example, per-example lengths, None),
+    or four empty arrays and why the batch must stay padded (a label that padding predicts or holds, a mask
+    that is not one block of ones). ValueError for shapes that disagree (naming the key).
+    """
+
 # --- end collate ---
 
 # --- sampler --- (rust/sampler/python.rs)

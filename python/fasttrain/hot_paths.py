@@ -22,6 +22,7 @@ class HotPaths:
     loss: bool = True  # chunked fused-linear cross-entropy in supported causal LMs
     collator: bool = True  # Rust collators in place of the transformers ones
     sampler: bool = True  # Rust length-grouped sampler for group_by_length
+    packing: bool = True  # padded causal-LM training batches packed into one padding-free row, where exact
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -4,6 +4,9 @@
 Trainer's own ``__init__``; nothing else of fasttrain touches the Trainer. It uses public extension points:
 
 - collator: ``trainer.data_collator`` becomes the Rust equivalent of a transformers (or TRL) collator;
+- packing: ``get_train_dataloader`` builds the training loader with that collator wrapped in
+  ``data.packing.PackingCollator`` (padded batch -> one padding-free row, where exact), and ``training_step``
+  sees the packed batches arrive (the evidence); evaluation loaders stay padded;
 - optimizer: the trainer's ``create_optimizer`` (a documented override point) hands ``FusedAdamW`` to the
   Trainer through ``optimizer_cls_and_kwargs``, with the kwargs transformers itself derives from the arguments at
   that moment (hyperparameter search changes them per trial); under DeepSpeed it becomes the client optimizer
@@ -23,7 +26,7 @@ they hold the trainer weakly. The Trainer's callbacks, arguments, logs and check
 
 Status is true by construction: ``trainer.fasttrain_status`` maps each path to ``"on"`` only once evidence shows
 it ran (FusedAdamW stepped, a deferred clip was applied, the fused loss ran, the Rust collator is the one the
-Trainer's loaders call, the Rust sampler was iterated); until then ``"off: <why>"``. It is settled, and logged in
+Trainer's loaders call, the Rust sampler was iterated, a packed batch reached training_step); until then ``"off: <why>"``. It is settled, and logged in
 one line (INFO, or WARNING when a path the user wanted fell back), after the first optimizer step.
 """
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -61,7 +65,11 @@ class _Seam:
         self.trl = False  # a TRL trainer: its fused LM head is served by fasttrain's kernel
         self.trl_decided = False
         self.logged = False
-        self.settle_hooked: weakref.ref[Any] | None = None  # the optimizer whose first step settles the status
+        self.settle_hooked: weakref.ref[Any] | None = (
+            None  # the optimizer whose first step settles the status
+        )
+        self.packer: Any = None  # the PackingCollator of the last training loader built
+        self.packed_steps = 0  # training steps whose inputs were a packed batch
 
     def off(self, name: str, reason: str, fallback: bool = True) -> None:
         """Record why ``name`` does not run; ``fallback`` when the user asked for it and it could apply."""
@@ -88,6 +96,8 @@ def apply(trainer: Any, hot_paths: HotPaths | None = None) -> None:
         _arm_deepspeed(trainer, seam)
     if seam.paths.collator:
         _swap_collator(trainer, seam)
+    if seam.paths.packing:
+        _arm_packing(trainer, seam)
     if seam.paths.sampler:
         _arm_sampler(trainer, seam)
     if seam.paths.clip:
@@ -97,14 +107,16 @@ def apply(trainer: Any, hot_paths: HotPaths | None = None) -> None:
 
 
 def _override(trainer: Any, name: str, hook: Callable[..., Any]) -> None:
-    """``trainer.<name>(...)`` becomes ``hook(trainer, <the class's bound method>, ...)``."""
+    """``trainer.<name>(...)`` becomes ``hook(trainer, <the class's bound method>, ...)``; a second hook on the
+    same name wraps the first (the first's ``original`` stays the class's method)."""
     method = getattr(type(trainer), name)
+    previous = trainer.__dict__.get(name)
     ref = weakref.ref(trainer)
 
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
         this = ref()
-        return hook(this, method.__get__(this), *args, **kwargs)
+        return hook(this, previous if previous is not None else method.__get__(this), *args, **kwargs)
 
     trainer.__dict__[name] = call
 
@@ -134,7 +146,10 @@ def _settle(seam: _Seam, optimizer: Any) -> None:
         if isinstance(optimizer, FusedAdamW):
             status["optimizer"] = "on"
         else:
-            seam.off("optimizer", f"the Trainer's optimizer is {type(optimizer).__qualname__}, given or built by it")
+            seam.off(
+                "optimizer",
+                f"the Trainer's optimizer is {type(optimizer).__qualname__}, given or built by it",
+            )
     if status["clip"] == NOT_RUN:
         if isinstance(optimizer, FusedAdamW) and optimizer.deferred_clips_applied:
             status["clip"] = "on"
@@ -146,7 +161,9 @@ def _settle(seam: _Seam, optimizer: Any) -> None:
         elif getattr(trainer, "label_smoother", None) is not None:
             # the Trainer takes the labels out of the inputs and smooths the loss from the logits itself
             smoothing = trainer.args.label_smoothing_factor
-            reason = f"label_smoothing_factor={smoothing}: the Trainer computes the smoothed loss from the logits"
+            reason = (
+                f"label_smoothing_factor={smoothing}: the Trainer computes the smoothed loss from the logits"
+            )
             seam.off("loss", reason)
         else:
             seam.off("loss", "no training forward took the fused path (no labels?)")
@@ -161,6 +178,13 @@ def _settle(seam: _Seam, optimizer: Any) -> None:
             status["sampler"] = "on"
         else:
             seam.off("sampler", "the Trainer built no length-grouped sampler")
+    if status["packing"] == NOT_RUN:
+        if seam.packed_steps:
+            status["packing"] = "on"
+        elif seam.packer is not None and seam.packer.last_refusal is not None:
+            seam.off("packing", f"every batch stayed padded ({seam.packer.last_refusal})")
+        else:
+            seam.off("packing", "no packed batch reached training_step")
     seam.logged = True
     line = ", ".join(f"{name}={value}" for name, value in status.items())
     level = logging.WARNING if seam.fallbacks else logging.INFO
@@ -185,6 +209,80 @@ def _swap_collator(trainer: Any, seam: _Seam) -> None:
         seam.off("collator", why_no_native_equivalent(current), fallback=replaced_in_kind(current))
         return
     trainer.data_collator = native
+
+
+# ---------------------------------------------------------------------------------------------------------
+# packing
+
+
+def _arm_packing(trainer: Any, seam: _Seam) -> None:
+    _override(trainer, "get_train_dataloader", _train_dataloader)
+    _override(trainer, "training_step", _packing_evidence)
+
+
+def _packing_problem(trainer: Any) -> str | None:
+    """Why the training batches stay padded (None: they pack, each batch checked again by the packer)."""
+    from .data import packing
+
+    args = trainer.args
+    problem = packing.collator_problem(trainer.data_collator) or packing.model_problem(trainer.model)
+    if problem is not None:
+        return problem
+    trl = _is_trl_trainer(trainer)
+    for name in ("compute_loss", "training_step"):
+        owner = next(c for c in type(trainer).__mro__ if name in c.__dict__)
+        if owner is not transformers.Trainer and not (trl and owner.__module__.split(".")[0] == "trl"):
+            return f"{owner.__name__}.{name} is overridden and may read the padded batch"
+    if getattr(trainer, "_loss_shifts_labels", True) is False:
+        return "the Trainer does not treat the loss as a causal LM's (it counts unshifted labels)"
+    if trainer.compute_loss_func is not None:
+        return "compute_loss_func is set (a loss of the user's own may read the padded shape)"
+    if getattr(trainer, "label_smoother", None) is not None:
+        return f"label_smoothing_factor={args.label_smoothing_factor} is not verified on packed rows"
+    if getattr(args, "neftune_noise_alpha", None) is not None:
+        return "neftune_noise_alpha scales its noise by the padded length"
+    seen = getattr(args, "include_num_input_tokens_seen", "no")
+    if seen not in ("no", False, None):
+        return f"include_num_input_tokens_seen={seen!r} counts the padded batch's tokens"
+    if args.n_gpu > 1:
+        return f"DataParallel over {args.n_gpu} GPUs splits the batch's rows"
+    for parallel in ("get_cp_size", "get_sp_size"):
+        size = getattr(trainer, parallel, lambda: 1)()
+        if size > 1:
+            return f"{parallel[4:6]} parallelism of size {size} splits the sequence"
+    return None
+
+
+def _train_dataloader(trainer: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The training loader, its collator wrapped by the packer for as long as the loader is built (its
+    ``collate_fn`` keeps the packer; evaluation loaders read ``trainer.data_collator`` and stay padded)."""
+    from .data.packing import FLASH_ATTENTION, PackingCollator
+
+    seam = seam_of(trainer)
+    problem = _packing_problem(trainer)
+    if problem is not None:
+        seam.off("packing", problem, fallback=False)
+        return original(*args, **kwargs)
+    collator = trainer.data_collator
+    attention = getattr(trainer.model.config, "_attn_implementation", None)
+    seam.packer = PackingCollator(collator, flash=attention in FLASH_ATTENTION)
+    if not seam.logged:
+        seam.status["packing"] = NOT_RUN  # an earlier loader may have said off
+    trainer.data_collator = seam.packer
+    try:
+        return original(*args, **kwargs)
+    finally:
+        trainer.data_collator = collator
+
+
+def _packing_evidence(
+    trainer: Any, original: Callable[..., Any], model: Any, inputs: Any, *args: Any, **kwargs: Any
+) -> Any:
+    from .data.packing import PackedBatch
+
+    if isinstance(inputs, PackedBatch):
+        seam_of(trainer).packed_steps += 1
+    return original(model, inputs, *args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -227,7 +325,9 @@ def _train_sampler(trainer: Any, original: Callable[..., Any], train_dataset: An
     given = trainer.train_dataset
     # An empty dataset takes transformers' own decision on the dataset it sees, so that it fails where
     # transformers' sampler fails (IndexError at construction when that dataset has no length column).
-    source = given if column in getattr(given, "column_names", ()) and len(given) == len(dataset) > 0 else dataset
+    source = (
+        given if column in getattr(given, "column_names", ()) and len(given) == len(dataset) > 0 else dataset
+    )
     if len(source) == 0 and column not in getattr(source, "column_names", ()):
         lengths = None  # the sampler then raises IndexError at construction, as transformers' does
     else:
@@ -296,6 +396,20 @@ def _fused_adamw_kwargs(trainer: Any, seam: _Seam, model: Any) -> dict[str, Any]
     return {**kwargs, **options}
 
 
+def _initialising_state_for_load() -> bool:
+    """Inside torch's ``_init_optim_state``: loading a sharded optimizer checkpoint (FSDP2 resume, through
+    ``set_optimizer_state_dict``) first steps the optimizer once with zero gradients and lr 0 to create its state.
+    That step is no training step: settling there would declare the clip and loss off before they could run."""
+    frame = sys._getframe(1)
+    for _ in range(8):  # the hook is called a few frames below the optimizer's step
+        frame = frame.f_back
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_init_optim_state" and "checkpoint" in frame.f_code.co_filename:
+            return True
+    return False
+
+
 def _settle_after_first_step(seam: _Seam, optimizer: torch.optim.Optimizer) -> None:
     # One hook per optimizer (under DeepSpeed the Trainer calls create_optimizer twice and gets the same one
     # back). It stays registered and does nothing once settled: removing itself would mutate the optimizer's
@@ -306,7 +420,7 @@ def _settle_after_first_step(seam: _Seam, optimizer: torch.optim.Optimizer) -> N
         return
 
     def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not seam.logged:
+        if not seam.logged and not _initialising_state_for_load():
             _settle(seam, opt)
 
     optimizer.register_step_post_hook(hook)
@@ -418,7 +532,12 @@ def _fused_clip_target(trainer: Any, model: Any) -> Any:
         reason, fallback = _DEEPSPEED_CLIPS, False
     elif kind == DistributedType.FSDP and not getattr(accelerator, "is_fsdp2", False):
         reason = "FSDP1 clips through its own wrapper"
-    elif kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP):
+    elif kind not in (
+        DistributedType.NO,
+        DistributedType.MULTI_CPU,
+        DistributedType.MULTI_GPU,
+        DistributedType.FSDP,
+    ):
         reason = f"distributed type {getattr(kind, 'value', kind)} is not supported by the fused clip"
     elif getattr(accelerator, "scaler", None) is not None:
         reason = "fp16 GradScaler: Accelerate unscales the gradients before clipping"
@@ -524,7 +643,15 @@ def _fused_loss_calls(trainer: Any) -> int:
     return fused_loss_calls(trainer.model) if trainer.model is not None else 0
 
 
-def _prediction_step(trainer: Any, original: Callable[..., Any], model: Any, inputs: Any, prediction_loss_only: bool, *args: Any, **kwargs: Any) -> Any:
+def _prediction_step(
+    trainer: Any,
+    original: Callable[..., Any],
+    model: Any,
+    inputs: Any,
+    prediction_loss_only: bool,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
     """A loss-only evaluation takes the fused path too; otherwise the logits are made as before."""
     from .loss.model_patch import set_eval_fused
 
