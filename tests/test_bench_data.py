@@ -105,3 +105,34 @@ def test_unreadable_dataset_file_is_a_clear_error(small_tokenizer, tmp_path):
     path.write_text("{not json")
     with pytest.raises(data.DatasetError, match="could not be loaded"):
         data.build_examples(str(path), small_tokenizer, 32, 4)
+
+
+def test_lognormal_lengths_are_seeded_clipped_and_centred_on_the_median():
+    lengths = data.lognormal_lengths(4000, 1024, seed=3)
+    assert lengths == data.lognormal_lengths(4000, 1024, seed=3)
+    assert lengths != data.lognormal_lengths(4000, 1024, seed=4)
+    assert min(lengths) >= data.MIN_TOKENS and max(lengths) <= 1024
+    assert max(lengths) == 1024 and min(lengths) == data.MIN_TOKENS  # the long tail and the floor both clip
+    ordered = sorted(lengths)
+    assert 160 <= ordered[len(ordered) // 2] <= 200  # median 180
+
+
+def test_lognormal_examples_cut_the_token_stream_to_the_drawn_lengths(small_tokenizer):
+    examples = data.build_examples(data.DEFAULT, small_tokenizer, 256, 30, data.LOGNORMAL, seed=1)
+    assert [len(e) for e in examples] == data.lognormal_lengths(30, 256, seed=1)
+    assert examples == data.build_examples(data.DEFAULT, small_tokenizer, 256, 30, data.LOGNORMAL, seed=1)
+    # consecutive pieces of one stream: the first example starts where the corpus starts
+    natural = data.build_examples(data.DEFAULT, small_tokenizer, 4096, 1)
+    assert examples[0] == natural[0][: len(examples[0])]
+
+
+def test_lognormal_examples_from_a_file_and_unknown_kinds(small_tokenizer, tmp_path):
+    path = tmp_path / "ids.jsonl"
+    path.write_text(
+        "".join(json.dumps({"input_ids": list(range(i * 100, i * 100 + 90))}) + "\n" for i in range(40))
+    )
+    examples = data.build_examples(str(path), small_tokenizer, 64, 5, data.LOGNORMAL, seed=0)
+    assert [len(e) for e in examples] == data.lognormal_lengths(5, 64, seed=0)
+    assert examples[0][:3] == [0, 1, 2]
+    with pytest.raises(data.DatasetError, match="--lengths must be one of natural, lognormal"):
+        data.build_examples(data.DEFAULT, small_tokenizer, 64, 5, "uniform")

@@ -327,3 +327,45 @@ def test_no_metric_is_named_when_nothing_differs():
     assert largest_metric_difference(equal) == {"metric": None, "max_abs": 0.0, "max_rel": 0.0}
     one_differs = {**equal, "loss": {"max_abs": 1e-7, "max_rel": 2e-7}}
     assert largest_metric_difference(one_differs)["metric"] == "loss"
+
+
+def test_each_hot_path_share_is_fasttrain_with_it_against_without_it(results):
+    results["fasttrain-no-packing"] = [
+        _run("fasttrain-no-packing", "fasttrain", 70.0, 300.0, [4.0, 3.0, 2.2, 1.0]),
+        _run("fasttrain-no-packing", "fasttrain", 90.0, 340.0, [4.0, 3.0, 2.2, 1.0]),
+    ]
+    results["fasttrain-no-all"] = [_run("fasttrain-no-all", "fasttrain", 110.0, 500.0, [4.0, 3.0, 2.0, 1.0])]
+    results["fasttrain"][0]["tokens_per_cpu_s"] = results["fasttrain"][1]["tokens_per_cpu_s"] = 50.0
+    results["fasttrain-no-packing"][0]["tokens_per_cpu_s"] = 20.0
+    results["fasttrain-no-packing"][1]["tokens_per_cpu_s"] = 30.0
+    data = _full(results)
+    packing = data["shares"]["packing"]
+    assert packing["speedup"] == pytest.approx(140 / 80)  # medians: fasttrain 140, without packing 80
+    assert packing["tokens_per_cpu_s_speedup"] == pytest.approx(50 / 25)
+    assert packing["peak_memory_ratio"] == pytest.approx(250 / 320)  # packed below padded: under 1
+    assert data["shares"]["all"]["speedup"] == pytest.approx(140 / 110)
+    assert math.isnan(data["shares"]["all"]["tokens_per_cpu_s_speedup"])  # not measured there
+    text = report.text_table(CONFIG, data)
+    assert "Each hot path's share" in text and "140.0 (1.75x)" in text and "250 (0.78x)" in text
+    md = report.markdown(CONFIG, data)
+    assert "## Each hot path's share" in md
+    assert "| packing | 80.0 | 140.0 (1.75x) | 2.00x | 320 | 250 (0.78x) |" in md
+    json.dumps(report._jsonable(data), allow_nan=False)
+
+
+def test_no_share_table_without_ablations(results):
+    data = _full(results)
+    assert "shares" not in data
+    assert "share" not in report.text_table(CONFIG, data)
+
+
+def test_the_lengths_and_the_grouping_are_described(results):
+    import dataclasses
+
+    lognormal = dataclasses.replace(CONFIG, lengths="lognormal", seq_len=1024, group_by_length=False)
+    text = report.text_table(lognormal, _full(results))
+    assert "example lengths log-normal (median 180, sigma 0.8, 16..1024 tokens)" in text
+    assert "not grouped by length" in text
+    natural = report.text_table(CONFIG, _full(results))
+    assert "sequences up to 32 tokens (the data's natural lengths)" in natural
+    assert "; grouped by length" in natural

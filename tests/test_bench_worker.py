@@ -158,3 +158,25 @@ def test_train_flops_per_token_counts_parameters_and_causal_attention():
 
 def test_worker_reports_the_training_flops_of_a_token(reference_result):
     assert reference_result["train_flops_per_token"] > 6 * 100_000  # the tiny model has well over 1e5 weights
+
+
+def test_tokens_counted_are_the_real_tokens_of_the_examples(reference_result):
+    # one epoch over exactly steps x batch examples: the Trainer's non-padding count is their total length
+    r = reference_result
+    assert r["tokens_expected"] is not None
+    assert sum(r["tokens_per_step"]) == r["tokens_expected"]
+    config = _tiny.bench_config()
+    with pytest.raises(
+        worker.TokenCountError, match="counted 11 input tokens over the run, but its examples hold 12"
+    ):
+        worker._check_token_count(config, [[1] * 2] * 6, [4, 8, 11])
+    assert worker._check_token_count(config, [[1] * 2] * 6, [4, 8, 12]) == 12
+    # the data ran short: two epochs of three examples
+    assert worker._check_token_count(config, [[1] * 2] * 3, [4, 8, 12]) == 12
+    assert worker._check_token_count(_tiny.bench_config(trainer_type="dpo"), [[1]] * 6, [1, 2, 3]) is None
+
+
+def test_lognormal_lengths_run_padded_and_packed_alike():
+    config = _tiny.bench_config(lengths="lognormal", seq_len=64, group_by_length=False, steps=2)
+    r = worker.run(config, Contender("fasttrain", "fasttrain"))
+    assert r["steps"] == 2 and r["tokens_expected"] == sum(r["tokens_per_step"])

@@ -102,10 +102,28 @@ def _resolve(argv: list[str]):
 
 def test_cpu_defaults():
     config, contenders, repeats = _resolve(["bench", "--device", "cpu"])
-    assert (config.model, config.seq_len, config.batch_size, config.bf16) == ("qwen3-cpu", 256, 4, False)
+    assert (config.model, config.seq_len, config.batch_size, config.bf16) == ("qwen3-cpu", 1024, 4, False)
+    # what most fine-tuning scripts run: instruction-like lengths, no length grouping on either side
+    assert (config.lengths, config.group_by_length) == ("lognormal", False)
     assert [c.name for c in contenders] == [REFERENCE, FASTTRAIN]
     assert repeats == 2
     assert config.threads >= 1
+
+
+def test_lengths_option_and_its_sequence_length_default():
+    natural, _, _ = _resolve(["bench", "--device", "cpu", "--lengths", "natural"])
+    assert (natural.lengths, natural.seq_len) == ("natural", 256)
+    given, _, _ = _resolve(["bench", "--device", "cpu", "--lengths", "lognormal", "--seq-len", "512"])
+    assert (given.lengths, given.seq_len) == ("lognormal", 512)
+    grouped, _, _ = _resolve(["bench", "--device", "cpu", "--group-by-length"])
+    assert grouped.group_by_length
+
+
+def test_unknown_lengths_kind_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--lengths", "uniform"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'uniform'" in capsys.readouterr().err
 
 
 def test_ablate_adds_one_fasttrain_run_per_hot_path_and_all():
@@ -196,9 +214,9 @@ def test_misspelled_top_level_option_prints_the_top_level_usage(capsys):
 
 def test_trainer_types_and_their_defaults():
     config, contenders, _ = _resolve(["bench", "--device", "cpu"])
-    assert config.trainer_type == "transformers" and config.group_by_length
+    assert config.trainer_type == "transformers" and not config.group_by_length
     config, contenders, _ = _resolve(["bench", "--device", "cpu", "--trainer", "sft"])
-    assert config.trainer_type == "sft" and config.group_by_length
+    assert config.trainer_type == "sft" and not config.group_by_length
     assert [c.trainer for c in contenders] == [REFERENCE, FASTTRAIN]
     config, _, _ = _resolve(["bench", "--device", "cpu", "--trainer", "dpo"])
     assert config.trainer_type == "dpo" and not config.group_by_length

@@ -30,6 +30,8 @@ class BenchConfig:
     # "transformers": transformers.Trainer against fasttrain.Trainer; "sft" / "dpo": TRL's SFTTrainer /
     # DPOTrainer, plain against under fasttrain.patch()
     trainer_type: str = "transformers"
+    # "natural": the data's own lengths; "lognormal": drawn like instruction data (see bench/data.py)
+    lengths: str = "natural"
 
     @property
     def examples_needed(self) -> int:

@@ -5,7 +5,12 @@ fine-tuning with ``max_length`` truncation. For the built-in corpus a document i
 top-level blocks (module header, functions, classes) of one stdlib file, joined while they fit in
 ``seq_len`` (a longer block is truncated alone), so lengths vary from a few dozen tokens to ``seq_len``;
 for a local or hub dataset it is one row's ``text``. Documents shorter than ``seq_len`` stay shorter, so batches are padded
-by the collator: real variable-length fine-tuning data.
+by the collator: real variable-length fine-tuning data. That is ``--lengths natural``.
+
+``--lengths lognormal`` draws the lengths instead, like instruction-tuning data: log-normal with median
+``LOGNORMAL_MEDIAN`` tokens and shape ``LOGNORMAL_SIGMA``, clipped to ``MIN_TOKENS..seq_len`` (seeded by
+``--seed``, the same for every contender), and fills each example with the next tokens of the same corpus,
+read as one stream (documents end to end, an end-of-text token between two).
 """
 
 from __future__ import annotations
@@ -17,6 +22,12 @@ from collections.abc import Iterable
 from . import corpus
 
 DEFAULT = "default"
+# --lengths: the data's own lengths, or drawn from a log-normal distribution like instruction data
+NATURAL = "natural"
+LOGNORMAL = "lognormal"
+LENGTH_KINDS = (NATURAL, LOGNORMAL)
+LOGNORMAL_MEDIAN = 180  # tokens; instruction/chat SFT sets have medians of a few hundred tokens
+LOGNORMAL_SIGMA = 0.8  # with median 180: mean ~250, about 1 example in 100 above 1,024 tokens
 MIN_TOKENS = 16  # shorter documents (empty lines, stubs) carry no signal and are skipped
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 
@@ -142,8 +153,59 @@ def _file_examples(spec: str, tokenizer, seq_len: int, num_examples: int) -> lis
     return examples[:num_examples]
 
 
-def build_examples(spec: str, tokenizer, seq_len: int, num_examples: int) -> list[list[int]]:
-    """``num_examples`` token-id lists of ``MIN_TOKENS..seq_len`` tokens (fewer only if the data runs out)."""
+def lognormal_lengths(count: int, seq_len: int, seed: int) -> list[int]:
+    """``count`` lengths from the log-normal distribution of ``--lengths lognormal``, in ``MIN_TOKENS..seq_len``."""
+    import numpy as np
+
+    drawn = np.random.default_rng(seed).lognormal(np.log(LOGNORMAL_MEDIAN), LOGNORMAL_SIGMA, size=count)
+    return np.clip(np.rint(drawn), MIN_TOKENS, max(seq_len, MIN_TOKENS)).astype(np.int64).tolist()
+
+
+def _token_documents(spec: str, tokenizer) -> Iterable[list[int]]:
+    """Every document of the data, tokenized whole (no truncation)."""
+    if spec == DEFAULT:
+        for document in corpus.iter_documents():
+            yield [
+                t
+                for ids in tokenizer(corpus.top_level_blocks(document), add_special_tokens=False)["input_ids"]
+                for t in ids
+            ]
+        return
+    rows = _load_rows(spec)
+    if "input_ids" in rows.column_names:
+        yield from (list(row) for row in rows["input_ids"])
+        return
+    for text in _texts_from_rows(rows, spec):
+        yield tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _lognormal_examples(spec: str, tokenizer, seq_len: int, num_examples: int, seed: int) -> list[list[int]]:
+    lengths = lognormal_lengths(num_examples, seq_len, seed)
+    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    examples: list[list[int]] = []
+    stream: list[int] = []
+    for document in _token_documents(spec, tokenizer):
+        stream.extend(document + separator)
+        start = 0
+        while len(examples) < num_examples and len(stream) - start >= lengths[len(examples)]:
+            end = start + lengths[len(examples)]
+            examples.append(stream[start:end])
+            start = end
+        stream = stream[start:]
+        if len(examples) == num_examples:
+            break
+    return examples
+
+
+def build_examples(
+    spec: str, tokenizer, seq_len: int, num_examples: int, lengths: str = NATURAL, seed: int = 0
+) -> list[list[int]]:
+    """``num_examples`` token-id lists of ``MIN_TOKENS..seq_len`` tokens (fewer only if the data runs out);
+    ``lengths`` is ``"natural"`` (each document truncated) or ``"lognormal"`` (drawn lengths, ``seed``)."""
+    if lengths == LOGNORMAL:
+        return _lognormal_examples(spec, tokenizer, seq_len, num_examples, seed)
+    if lengths != NATURAL:
+        raise DatasetError(f"--lengths must be one of {', '.join(LENGTH_KINDS)}, got {lengths!r}")
     if spec == DEFAULT:
         return _default_examples(tokenizer, seq_len, num_examples)
     return _file_examples(spec, tokenizer, seq_len, num_examples)

@@ -192,6 +192,38 @@ def metric_rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return ["metric", *differences], table
 
 
+def share_rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """One row per ablated hot path: fasttrain with every path on against fasttrain with that path off."""
+    header = [
+        "hot path switched off",
+        "tokens/s without it",
+        "fasttrain with it (speed-up)",
+        "tokens per CPU-second (speed-up)",
+        "peak memory without it (MB)",
+        "fasttrain's peak with it (ratio)",
+    ]
+    fasttrain = data.get("fasttrain") or {}
+    table = []
+    for path, share in (data.get("shares") or {}).items():
+        table.append(
+            [
+                path,
+                _fmt(share["tokens_per_s_without"], 1),
+                f"{_fmt(fasttrain.get('tokens_per_s'), 1)} ({_ratio(share['speedup'])})",
+                _ratio(share["tokens_per_cpu_s_speedup"]),
+                _fmt(share["peak_memory_mb_without"], 0),
+                f"{_fmt(fasttrain.get('peak_memory_mb'), 0)} ({_ratio(share['peak_memory_ratio'])})",
+            ]
+        )
+    return header, table
+
+
+def _ratio(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:.2f}x"
+
+
 def _sci(value: Any) -> str:
     """Small loss differences are the point: scientific notation, never rounded to zero first."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -210,9 +242,9 @@ def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
         f"reference: {reference_side}; fasttrain: {fasttrain_side}",
         f"model {config.model}, dataset {config.dataset}, device {config.device}, {dtype}, "
         f"{config.steps} steps x batch {config.batch_size} x grad-accum {config.grad_accum}, "
-        f"sequences up to {config.seq_len} tokens (padded per batch"
-        f"{', grouped by length' if config.group_by_length else ''}), seed {config.seed}"
-        + (f", {config.threads} CPU threads" if config.device == "cpu" else ""),
+        f"{_lengths_note(config)} (batched as each Trainer's collator does: padded per batch unless a "
+        f"packing hot path is on; {'grouped by length' if config.group_by_length else 'not grouped by length'}), "
+        f"seed {config.seed}" + (f", {config.threads} CPU threads" if config.device == "cpu" else ""),
         f"{reference['repetitions']} repetition(s) per contender, alternating, each in its own process; "
         "medians shown; tokens/s, step time and tokens per CPU-second count non-padding tokens and exclude "
         f"the first {reference['warmup_steps_excluded']} (warm-up) steps",
@@ -221,8 +253,30 @@ def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
         "ratios in parentheses are against the reference; the loss and metric differences are the largest over "
         "all steps, relative to the reference's value at that step (every numeric value the Trainer logs at "
         "each step, timings left out)",
+        *_share_note(data),
         *_load_note(data),
         *_progress_note(data),
+    ]
+
+
+def _lengths_note(config: BenchConfig) -> str:
+    from .data import LOGNORMAL, LOGNORMAL_MEDIAN, LOGNORMAL_SIGMA, MIN_TOKENS
+
+    if getattr(config, "lengths", "natural") == LOGNORMAL:
+        return (
+            f"example lengths log-normal (median {LOGNORMAL_MEDIAN}, sigma {LOGNORMAL_SIGMA}, "
+            f"{MIN_TOKENS}..{config.seq_len} tokens)"
+        )
+    return f"sequences up to {config.seq_len} tokens (the data's natural lengths)"
+
+
+def _share_note(data: dict[str, Any]) -> list[str]:
+    if not data.get("shares"):
+        return []
+    return [
+        "each hot path's share (table below): fasttrain with every path on against fasttrain with that one "
+        "path off (FASTTRAIN_DISABLE=<path>), medians of each; a speed-up above 1 is what the path adds, a "
+        "peak ratio below 1 the memory it saves"
     ]
 
 
@@ -263,6 +317,14 @@ def text_table(config: BenchConfig, data: dict[str, Any]) -> str:
         "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in [header, *table]
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    header, table = share_rows(data)
+    if table:
+        widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
+        shares = [
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *table]
+        ]
+        shares.insert(1, "  ".join("-" * w for w in widths))
+        lines += ["", "Each hot path's share (fasttrain with it vs without it):", *shares]
     return "\n".join([*lines, "", *describe(config, data)])
 
 
@@ -287,6 +349,16 @@ def markdown(config: BenchConfig, data: dict[str, Any], title: str = "fasttrain 
     ]
     out += ["| " + " | ".join(cell.replace("|", "/") for cell in r) + " |" for r in table]
     out += ["", *[f"- {line}" for line in describe(config, data)], ""]
+    header, table = share_rows(data)
+    if table:
+        out += [
+            "## Each hot path's share (fasttrain with every path on vs with that one off)",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join([" --- "] + [" ---: "] * (len(header) - 1)) + "|",
+            *["| " + " | ".join(r) + " |" for r in table],
+            "",
+        ]
     header, table = metric_rows(data)
     if table:
         out += [

@@ -1,4 +1,5 @@
-"""From raw runs to the figures the report shows: medians per contender, ratios, loss parity."""
+"""From raw runs to the figures the report shows: medians per contender, ratios, loss parity, and each hot
+path's share when the bench ran ablations."""
 
 from __future__ import annotations
 
@@ -121,5 +122,37 @@ def build(results: dict[str, list[dict[str, Any]]], failures: dict[str, str] | N
         if reference is not None:
             comparison[f"{name}_vs_reference"] = compare(reference, summary)
     out["comparison"] = comparison
+    if FASTTRAIN in out and out.get("ablations"):
+        out["shares"] = shares(out[FASTTRAIN], out["ablations"])
     out["failed"] = dict(failures or {})
+    return out
+
+
+ABLATION_PREFIX = f"{FASTTRAIN}-no-"
+
+
+def shares(fasttrain: dict[str, Any], ablations: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each hot path's share: fasttrain with every path on against fasttrain with that one path off (the
+    ablation ``fasttrain-no-<path>``), so ``speedup`` 1.6 means the path makes fasttrain 1.6x faster and
+    ``peak_memory_ratio`` below 1 that it lowers the peak. ``all`` is every path at once."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, without in ablations.items():
+        if not name.startswith(ABLATION_PREFIX):
+            continue
+
+        def ratio(key: str, without=without) -> float:
+            base = without.get(key)
+            value = fasttrain.get(key)
+            if not base or value is None or math.isnan(base) or math.isnan(value):
+                return float("nan")
+            return value / base
+
+        out[name[len(ABLATION_PREFIX) :]] = {
+            "tokens_per_s_without": without["tokens_per_s"],
+            "speedup": ratio("tokens_per_s"),
+            "tokens_per_cpu_s_speedup": ratio("tokens_per_cpu_s"),
+            "peak_memory_mb_without": without["peak_memory_mb"],
+            "peak_memory_ratio": ratio("peak_memory_mb"),
+            "peak_above_setup_ratio": ratio("peak_above_setup_mb"),
+        }
     return out

@@ -155,6 +155,31 @@ def train_flops_per_token(model, examples: list[list[int]]) -> float:
     return 6.0 * model.num_parameters() + 6.0 * config.num_hidden_layers * width * mean_context
 
 
+class TokenCountError(RuntimeError):
+    """The Trainer's token count is not the examples' real tokens: every tokens/s figure would be wrong."""
+
+
+def _check_token_count(config: BenchConfig, examples: list[list[int]], tokens_seen: list[int]) -> int | None:
+    """The real (non-pad) tokens of the examples the run consumed, checked against the Trainer's count.
+
+    tokens/s is only comparable between a padded and a packed contender if both count real tokens: the
+    Trainer counts ``attention_mask.sum()`` when a batch has one, else the ids that are not the pad id. When
+    the run consumed whole epochs (the bench asks for exactly ``examples_needed`` examples, so one epoch
+    unless the data ran out), the count must equal the examples' own lengths; a mismatch stops the run. TRL
+    trainers count differently (DPO counts chosen and rejected rows): None, not checked.
+    """
+    if config.trainer_type != "transformers" or not examples or config.examples_needed % len(examples):
+        return None
+    expected = sum(len(e) for e in examples) * (config.examples_needed // len(examples))
+    counted = tokens_seen[-1] if tokens_seen else 0
+    if len(tokens_seen) == config.steps and counted != expected:
+        raise TokenCountError(
+            f"the Trainer counted {counted} input tokens over the run, but its examples hold {expected} real "
+            "tokens: tokens/s would not compare real tokens between contenders"
+        )
+    return expected
+
+
 def run(config: BenchConfig, contender: Contender, progress_path: str | None = None) -> dict[str, Any]:
     import torch
 
@@ -166,7 +191,9 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
     is_cuda = config.device == "cuda"
     t0 = time.perf_counter()
     tok = _tokenizer_for(config)
-    examples = data.build_examples(config.dataset, tok, config.seq_len, config.examples_needed)
+    examples = data.build_examples(
+        config.dataset, tok, config.seq_len, config.examples_needed, config.lengths, config.seed
+    )
     if not examples:
         raise data.DatasetError(
             f"--dataset {config.dataset!r} yields no example of at least {data.MIN_TOKENS} tokens"
@@ -205,6 +232,7 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
     requested = getattr(trainer, "hot_paths", None)  # fasttrain.Trainer: HotPaths after FASTTRAIN_DISABLE
 
     steps_done = len(recorder.step_end)
+    tokens_expected = _check_token_count(config, examples, recorder.tokens_seen)
     warmup = min(config.warmup_steps, max(steps_done - 1, 0))
     times = [recorder.start, *recorder.step_end]
     seen = [0, *recorder.tokens_seen]
@@ -231,6 +259,7 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         "step_times_s": [b - a for a, b in itertools.pairwise(times)],
         "tokens_per_step": [b - a for a, b in itertools.pairwise(seen)],
         "timed_tokens": timed_tokens,
+        "tokens_expected": tokens_expected,
         "losses": losses,
         "grad_norms": metrics.get("grad_norm", [None] * steps_done),
         "metrics": metrics,
