@@ -70,7 +70,6 @@ def build_trainer(
     import datasets
     import trl
 
-
     if contender.trainer == FASTTRAIN:
         import fasttrain
 
