@@ -31,7 +31,10 @@ Distributed: under FSDP2 with the output layer in the root unit (the usual layou
 are sharded separately) the root's forward has already unsharded ``lm_head.weight``, which we read as a
 plain tensor and whose gradient FSDP2 reduce-scatters as usual. If the weight is still a sharded DTensor
 at call time (lm_head sharded on its own), reading it directly would use a shard, so the call takes the
-model's own path and says so once in the log. Under DeepSpeed ZeRO-3 the weight is a partitioned parameter
+model's own path and says so once in the log — unless lm_head shares its FSDP2 unit with a module the
+backbone runs (Accelerate's FSDP2 preparation: one unit [final norm, lm_head], not resharded after the
+forward): then the backbone's call of the norm all-gathers the unit once, and the weight read after the
+backbone is whole. Under DeepSpeed ZeRO-3 the weight is a partitioned parameter
 (``ds_id``; an empty placeholder outside the forward): read inside the model's forward, DeepSpeed gathers it
 whole and registers it as an external parameter of the running module (released after the forward, gathered
 again for the backward, its gradient reduce-scattered as usual). So the weight the loss uses is read once
@@ -138,6 +141,17 @@ def _dtensor_problem(weight: torch.Tensor) -> str | None:
     return None
 
 
+def _unsharded_by_backbone(head: nn.Module, backbone: nn.Module) -> bool:
+    """lm_head shares its FSDP2 unit with a module the backbone runs (Accelerate's FSDP2 preparation puts the
+    final norm and lm_head in one unit, kept unsharded after the forward): the backbone's call of that module
+    all-gathers the unit once, so after the backbone ``head.weight`` is the whole weight."""
+    get_state = getattr(head, "_get_fsdp_state", None)
+    if get_state is None:
+        return False
+    in_backbone = {id(m) for m in backbone.modules()}
+    return any(m is not head and id(m) in in_backbone for m in getattr(get_state(), "_modules", ()))
+
+
 def _zero3_problem(weight: torch.Tensor) -> str | None:
     if hasattr(weight, "ds_id") and tuple(weight.shape) != tuple(getattr(weight, "ds_shape", weight.shape)):
         return "the output weight is a DeepSpeed ZeRO-3 partition that was not gathered inside the forward"
@@ -180,8 +194,9 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         )
         return state.original_forward(*args, **kwargs)
     head = self.get_output_embeddings()
+    backbone = getattr(self, self.base_model_prefix)
     problem = _dtensor_problem(_unread_weight(head))
-    if problem is not None:
+    if problem is not None and not _unsharded_by_backbone(head, backbone):
         log_once(
             f"fused-loss-shard:{problem}",
             f"fasttrain fused loss: {problem}; keeping the model's own loss path",
@@ -192,12 +207,13 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         arguments.pop(name, None)
     state.fused_calls += 1
     # the model's forward hands its **kwargs (num_items_in_batch, shift_labels, ...) to the backbone too
-    outputs = getattr(self, self.base_model_prefix)(**arguments)
+    outputs = backbone(**arguments)
     hidden = outputs[0]  # [batch, seq, hidden]
     # Read after the backbone, inside the forward, and handed whole to every chunk of the loss: under ZeRO-3
-    # this read gathers the weight (a tied weight was released again when the embedding's forward ended)
+    # this read gathers the weight (a tied weight was released again when the embedding's forward ended);
+    # under FSDP2 the backbone unsharded lm_head's unit (checked above)
     weight = head.weight
-    problem = _zero3_problem(weight)
+    problem = _zero3_problem(weight) or _dtensor_problem(weight)
     if problem is not None:
         raise RuntimeError(f"fasttrain fused loss: {problem} (read after the backbone ran)")
 

@@ -1,0 +1,303 @@
+"""FSDP2 training through ``transformers.Trainer`` on CPU (gloo), for tests/test_fsdp_trainer.py.
+
+usage: torchrun --nproc_per_node 2 tests/_fsdp_trainer_worker.py OUT --runs truth,reference,fasttrain
+       [--epochs N] [--rows N]
+
+Why a harness: FSDP through the Trainer does not start on a machine without an accelerator. Without
+``use_cpu`` Accelerate's ``PartialState._prepare_backend`` (accelerate/state.py, the ``LOCAL_RANK != -1 and not
+cpu`` branch) finds no device backend and records ``DistributedType.NO``, so ``TrainingArguments.parallel_mode`` is
+not DISTRIBUTED and ``Trainer.__init__`` raises "Using fsdp only works in distributed training."
+(transformers/trainer.py, the ``if args.fsdp:`` check). With ``use_cpu=True`` the state is ``MULTI_CPU`` on gloo,
+but ``AcceleratorState.__init__`` only turns a distributed type into ``FSDP`` (and keeps the ``fsdp_plugin``) for
+the device types (MULTI_GPU, MULTI_XPU, ...; accelerate/state.py, the ``elif self.distributed_type in [...]``
+branch): the FSDP plugin is dropped and the Trainer silently runs DDP.
+
+The harness therefore starts Accelerate's process state on gloo/CPU itself (``PartialState(cpu=True)``, a true
+MULTI_CPU state with the right ranks) and then relabels it ``MULTI_GPU`` before the Trainer builds its
+Accelerator (``accelerator_config={"use_configured_state": True}``): Accelerate's own FSDP branch then keeps the
+plugin, and the Trainer's real path runs — ``Trainer`` -> ``Accelerator.prepare`` -> ``fsdp2_prepare_model`` ->
+``fully_shard`` on a CPU device mesh, DTensor parameters, the Trainer's FSDP2 clip, optimizer and checkpointing.
+The device stays the CPU (the state's device was fixed when it started).
+
+Runs, one after the other in the same processes (one launch):
+
+- ``truth``: plain transformers in float64; ``reference``: plain transformers in float32;
+- ``fasttrain``: the same float32 script under ``fasttrain.patch()``;
+- ``fasttrain-8bit``: ``fasttrain`` with ``optim_args="state_dtype=8bit"``;
+- ``fasttrain-offload`` / ``reference-offload``: FSDP2's CPU offload policy (``fsdp_config={"cpu_offload": True}``);
+- ``fasttrain-save`` / ``fasttrain-resume``: sharded checkpoints (SHARDED_STATE_DICT) at step SAVE_STEP, then
+  resumed from it.
+
+Each writes OUT/<run>-rank<R>.json: the logged loss and grad_norm per step, the rows each rank trained on per
+epoch, the hot-path status, and detectors (FSDP2 unshards of the lm_head's group per forward, lm_head calls, the
+optimizer's class, state and parameter types). A run that raises writes its error instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType
+
+import _tiny as tiny  # beside this file: a script's own directory is on sys.path
+import fasttrain
+
+SAVE_STEP = 4  # the -save runs checkpoint here; the -resume runs resume from it
+
+
+def _run(
+    patched=True, dtype=torch.float32, optim_args=None, save=False, resume=False, offload=False, hybrid=False
+):
+    return dict(
+        patched=patched,
+        dtype=dtype,
+        optim_args=optim_args,
+        save=save,
+        resume=resume,
+        offload=offload,
+        hybrid=hybrid,
+    )
+
+
+RUNS = {
+    "truth": _run(patched=False, dtype=torch.float64),
+    "reference": _run(patched=False),
+    "fasttrain": _run(),
+    "fasttrain-8bit": _run(optim_args="state_dtype=8bit"),
+    "reference-offload": _run(patched=False, offload=True),
+    "fasttrain-offload": _run(offload=True),
+    "fasttrain-save": _run(save=True),
+    "fasttrain-resume": _run(resume=True),  # after fasttrain-save, in the same launch
+    # hybrid sharding (HSDP): a 2-D mesh, replicated over pairs of ranks, sharded within each (4 processes)
+    "truth-hybrid": _run(patched=False, dtype=torch.float64, hybrid=True),
+    "reference-hybrid": _run(patched=False, hybrid=True),
+    "fasttrain-hybrid": _run(hybrid=True),
+}
+
+
+def _cpu_offload_without_pinning() -> None:
+    """FSDP2's ``CPUOffloadPolicy()`` (what ``fsdp_config={"cpu_offload": True}`` becomes in Accelerate's
+    ``FullyShardedDataParallelPlugin.set_cpu_offload``) pins the offloaded shards, and pinning needs a GPU driver
+    (``pin_memory()`` in torch's ``FSDPParam._init_sharded_param``). On CPU the same policy without pinning runs
+    the offload code path: shards and gradients kept on the CPU, the optimizer stepping the offloaded shards."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    original = FullyShardedDataParallelPlugin.set_cpu_offload
+
+    def set_cpu_offload(plugin):
+        if plugin.fsdp_version == 2 and plugin.cpu_offload is True:
+            plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+        return original(plugin)
+
+    FullyShardedDataParallelPlugin.set_cpu_offload = set_cpu_offload
+
+
+def fsdp_process_state() -> PartialState:
+    """Accelerate's process state on gloo/CPU, labelled so that Accelerate keeps an FSDP plugin (see above)."""
+    state = PartialState(cpu=True, backend="gloo")
+    assert (
+        state.distributed_type == DistributedType.MULTI_CPU and state.num_processes == dist.get_world_size()
+    )
+    # AcceleratorState copies PartialState's shared dict: its FSDP branch runs for device types only
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+    return state
+
+
+class UnshardCounter:
+    """Counts FSDP2 unshards (all-gathers) of the parameter group that holds lm_head.weight, per forward."""
+
+    def __init__(self) -> None:
+        self.unshards = 0
+        self.forwards = 0
+        self.by_group: dict[str, int] = {}
+        self._original = None
+
+    def install(self, model: torch.nn.Module) -> None:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        weight_names = {"lm_head.weight"}
+        counter = self
+        original = FSDPParamGroup.unshard
+        self._original = original
+
+        def unshard(group, *args, **kwargs):
+            if group.is_sharded:
+                key = ",".join(n for n in _fqns(group) if n in weight_names or n.endswith("norm.weight"))
+                counter.by_group[key] = counter.by_group.get(key, 0) + 1
+            if group.is_sharded and any(fqn_tail in weight_names for fqn_tail in _fqns(group)):
+                counter.unshards += 1
+            return original(group, *args, **kwargs)
+
+        FSDPParamGroup.unshard = unshard
+        model.register_forward_pre_hook(lambda *_: setattr(counter, "forwards", counter.forwards + 1))
+
+    def uninstall(self) -> None:
+        if self._original is not None:
+            from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+            FSDPParamGroup.unshard = self._original
+
+
+def _fqns(group) -> list[str]:
+    return [p._param_fqn or "" for p in group.fsdp_params]
+
+
+def _mesh(params) -> dict:
+    """The device mesh the parameters are sharded on: its dimension names and sizes, and their placements."""
+    p = next((p for p in params if hasattr(p, "device_mesh")), None)
+    if p is None:
+        return {}
+    mesh = p.device_mesh
+    return {
+        "names": list(mesh.mesh_dim_names or ()),
+        "shape": list(mesh.shape),
+        "placements": [str(pl) for pl in p.placements],
+        "device_type": mesh.device_type,
+    }
+
+
+def _innermost_optimizer(optimizer):
+    while getattr(optimizer, "optimizer", None) is not None:
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def train_once(run: str, a: argparse.Namespace) -> dict:
+    spec = RUNS[run]
+    patched, dtype = spec["patched"], spec["dtype"]
+    fasttrain.unpatch()
+    if patched:
+        fasttrain.patch()
+    AcceleratorState._reset_state(reset_partial_state=False)  # each run gets its own FSDP plugin
+    # the previous run's AcceleratorState wrote FSDP into the process state it shares: label it again
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+    model = tiny.model("qwen3").to(dtype)  # the same float32 init in every run; the truth is its float64 copy
+    initial_checksum = sum(p.detach().double().sum().item() for p in model.parameters())
+    lm_head_calls = [0]
+    model.lm_head.register_forward_hook(lambda *_: lm_head_calls.__setitem__(0, lm_head_calls[0] + 1))
+    counter = UnshardCounter()
+    counter.install(model)
+    tok = tiny.tokenizer()
+    fsdp_config = {
+        "version": 2,
+        "transformer_layer_cls_to_wrap": ["Qwen3DecoderLayer"],
+        "state_dict_type": "SHARDED_STATE_DICT",
+        "cpu_offload": spec["offload"],
+    }
+    hybrid = {}
+    if spec["hybrid"]:
+        from accelerate.parallelism_config import ParallelismConfig
+
+        world = dist.get_world_size()
+        hybrid["parallelism_config"] = ParallelismConfig(dp_replicate_size=2, dp_shard_size=world // 2)
+    args = tiny.training_args(
+        str(Path(a.out) / run),
+        use_cpu=True,  # gloo; the harness's relabelled state keeps FSDP (see the module docstring)
+        fsdp="full_shard",
+        fsdp_config=fsdp_config,
+        max_steps=-1,
+        num_train_epochs=a.epochs,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        train_sampling_strategy="group_by_length",
+        optim_args=spec["optim_args"],
+        save_strategy="steps" if spec["save"] else "no",
+        save_steps=SAVE_STEP,
+        accelerator_config={"use_configured_state": True},
+        **hybrid,
+    )
+    trainer = tiny.recording(transformers.Trainer)(
+        model=model,
+        args=args,
+        train_dataset=tiny.dataset(n=a.rows, with_length=True),
+        data_collator=transformers.DataCollatorForSeq2Seq(tok, padding=True),
+        processing_class=tok,
+    )
+    trainer.rows_by_epoch = {}
+    checkpoint = Path(a.out, run.replace("-resume", "-save"), f"checkpoint-{SAVE_STEP}")
+    try:
+        trainer.train(resume_from_checkpoint=str(checkpoint) if spec["resume"] else None)
+    finally:
+        counter.uninstall()
+    inner = _innermost_optimizer(trainer.optimizer)
+    params = [p for group in inner.param_groups for p in group["params"]]
+    return {
+        "initial_checksum": initial_checksum,
+        "logs": tiny.step_logs(trainer),
+        "rows_by_epoch": trainer.rows_by_epoch,
+        "status": dict(getattr(trainer, "fasttrain_status", {})),
+        "world_size": trainer.args.world_size,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "is_fsdp2": bool(getattr(trainer.accelerator, "is_fsdp2", False)),
+        "model_class": type(trainer.model).__name__,
+        "lm_head_calls": lm_head_calls[0],
+        "forwards": counter.forwards,
+        "head_unshards": counter.unshards,
+        "unshards_by_group": counter.by_group,
+        "inner_optimizer": f"{type(inner).__module__}.{type(inner).__qualname__}",
+        "inner_optimizer_states": len(inner.state),
+        "inner_state_keys": sorted({k for state in inner.state.values() for k in state}),
+        "param_types": sorted({type(p).__name__ for p in params}),
+        "state_types": sorted({type(v).__name__ for s in inner.state.values() for v in s.values()}),
+        "deferred_clips_applied": getattr(inner, "deferred_clips_applied", None),
+        "weights_dtype": str(next(trainer.model.parameters()).dtype),
+        "weights_device": str(next(trainer.model.parameters()).device),
+        "offload_policy": type(trainer.accelerator.state.fsdp_plugin.cpu_offload).__name__,
+        "mesh": _mesh(params),
+        "checkpoint_files": sorted(os.listdir(checkpoint)) if spec["save"] else None,
+    }
+
+
+def probe_supported_settings(use_cpu: bool) -> dict:
+    """What the Trainer does with FSDP on this machine without the harness (the facts in the module docstring):
+    TrainingArguments with their default process state, the Trainer built, nothing trained. Run last: it
+    replaces the harness's process state."""
+    args = tiny.training_args("/tmp/unused", use_cpu=use_cpu, fsdp=True, fsdp_config={"version": 2})
+    try:
+        trainer = transformers.Trainer(model=tiny.model("qwen3"), args=args, train_dataset=tiny.dataset(n=8))
+    except ValueError as err:
+        return {"refused": str(err), "parallel_mode": str(args.parallel_mode)}
+    return {
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "is_fsdp_enabled": trainer.is_fsdp_enabled,
+        "parallel_mode": str(args.parallel_mode),
+    }
+
+
+PROBES = {"probe-no-cpu": False, "probe-use-cpu": True}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--runs", default="truth,reference,fasttrain")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--rows", type=int, default=32)
+    a = p.parse_args()
+    rank = fsdp_process_state().process_index
+    _cpu_offload_without_pinning()
+    for run in a.runs.split(","):
+        try:
+            result = probe_supported_settings(PROBES[run]) if run in PROBES else train_once(run, a)
+        except Exception as err:  # the test reports it (a crash of one run must not hide the others' results)
+            result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+        Path(a.out, f"{run}-rank{rank}.json").write_text(json.dumps(result))
+        gc.collect()
+    fasttrain.unpatch()
+    if dist.is_initialized():
+        dist.barrier()  # gloo can abort a rank at interpreter shutdown while another still communicates
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
