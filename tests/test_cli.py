@@ -134,6 +134,15 @@ def test_ablate_adds_one_fasttrain_run_per_hot_path_and_all():
     assert ablations[0].name == f"fasttrain-no-{HotPaths.names()[0]}"
 
 
+def test_ablate_can_name_the_paths_to_switch_off(capsys):
+    _, contenders, _ = _resolve(["bench", "--device", "cpu", "--ablate", "loss, packing,loss"])
+    assert [(c.name, c.disable) for c in contenders[2:]] == [
+        ("fasttrain-no-loss", "loss"),
+        ("fasttrain-no-packing", "packing"),
+    ]
+    assert "--ablate names unknown hot path(s) packign" in _error(capsys, ["bench", "--ablate", "packign"])
+
+
 def test_explicit_options_override_device_defaults(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": "x = 1\n" * 40}) + "\n")

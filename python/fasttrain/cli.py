@@ -137,9 +137,12 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ablate",
-        action="store_true",
+        nargs="?",
+        const="",
+        metavar="PATHS",
         help="also run fasttrain with each hot path switched off in turn (FASTTRAIN_DISABLE=<name>), and with "
-        "all off; the report shows each path's share (fasttrain's speed and memory with it against without it)",
+        "all off; the report shows each path's share (fasttrain's speed and memory with it against without it). "
+        f"Optionally only the comma-separated PATHS (of {', '.join(HotPaths.names())}, all)",
     )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument(
@@ -288,11 +291,23 @@ def resolve(args: argparse.Namespace):
     contenders = [Contender(REFERENCE, REFERENCE), Contender(FASTTRAIN, FASTTRAIN)]
     if liger:
         contenders.insert(1, Contender(LIGER, LIGER))
-    if args.ablate:
-        contenders += [
-            Contender(f"fasttrain-no-{name}", FASTTRAIN, name) for name in (*HotPaths.names(), "all")
-        ]
+    if args.ablate is not None:
+        contenders += [Contender(f"fasttrain-no-{name}", FASTTRAIN, name) for name in _ablated(args.ablate)]
     return config, contenders, args.repeats
+
+
+def _ablated(spec: str) -> list[str]:
+    """The hot paths --ablate switches off one at a time: every one and "all", or those named."""
+    known = (*HotPaths.names(), "all")
+    if not spec.strip():
+        return list(known)
+    names = list(dict.fromkeys(n.strip().lower() for n in spec.split(",") if n.strip()))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise UsageError(
+            f"--ablate names unknown hot path(s) {', '.join(unknown)}; known: {', '.join(known)}"
+        )
+    return names
 
 
 def _load_average() -> float | None:
