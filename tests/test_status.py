@@ -2,7 +2,8 @@
 
 Detectors watch what ran during a short training: the optimizer's class; calls of ``Accelerator.clip_grad_norm_``
 (the reference clip); calls of the ``lm_head`` module (the logits the fused loss never makes); calls of the
-transformers collator's ``__call__``; iterations of transformers' ``LengthGroupedSampler``. Each is checked with
+transformers collator's ``__call__``; iterations of transformers' ``LengthGroupedSampler``; training forwards of
+a padded batch (more than one row: packing makes one). Each is checked with
 every path on and with each path switched off alone, through ``HotPaths`` and through ``FASTTRAIN_DISABLE``,
 under ``fasttrain.Trainer`` and under ``fasttrain.patch()``, and for a plain Trainer after ``unpatch()``.
 """
@@ -44,12 +45,19 @@ def seen(monkeypatch):
 
         return wrapper
 
-    monkeypatch.setattr(accelerate.Accelerator, "clip_grad_norm_",
-                        counting("clip", accelerate.Accelerator.clip_grad_norm_))
-    monkeypatch.setattr(transformers.DataCollatorForSeq2Seq, "__call__",
-                        counting("collator", transformers.DataCollatorForSeq2Seq.__call__))
-    monkeypatch.setattr(trainer_pt_utils.LengthGroupedSampler, "__iter__",
-                        counting("sampler", trainer_pt_utils.LengthGroupedSampler.__iter__))
+    monkeypatch.setattr(
+        accelerate.Accelerator, "clip_grad_norm_", counting("clip", accelerate.Accelerator.clip_grad_norm_)
+    )
+    monkeypatch.setattr(
+        transformers.DataCollatorForSeq2Seq,
+        "__call__",
+        counting("collator", transformers.DataCollatorForSeq2Seq.__call__),
+    )
+    monkeypatch.setattr(
+        trainer_pt_utils.LengthGroupedSampler,
+        "__iter__",
+        counting("sampler", trainer_pt_utils.LengthGroupedSampler.__iter__),
+    )
     return counts
 
 
@@ -57,6 +65,13 @@ def _train(make_trainer, seen, tmp_path):
     tok = tiny.tokenizer()
     model = tiny.model("llama")
     model.lm_head.register_forward_hook(lambda *_: seen.update(["lm_head"]))
+
+    def padded_forward(module, args, kwargs):
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        if module.training and (ids.shape[0] > 1 or "attention_mask" in kwargs):
+            seen.update(["padded_forward"])
+
+    model.register_forward_pre_hook(padded_forward, with_kwargs=True)
     trainer = make_trainer(
         model=model,
         args=tiny.training_args(str(tmp_path), max_steps=2, train_sampling_strategy="group_by_length"),
@@ -79,6 +94,7 @@ def _what_ran(trainer, seen) -> dict[str, bool]:
         "loss": seen["lm_head"] == 0,
         "collator": seen["collator"] == 0 and type(trainer.data_collator).__module__.startswith("fasttrain."),
         "sampler": seen["sampler"] == 0,
+        "packing": seen["padded_forward"] == 0,
     }
 
 
@@ -96,6 +112,7 @@ def test_status_says_what_ran(entry, case, seen, tmp_path, monkeypatch):
         else:
             paths = HotPaths(**{name: False})
     if entry == "class":
+
         def make(**kwargs):
             return fasttrain.Trainer(hot_paths=paths, **kwargs)
     else:
@@ -109,8 +126,11 @@ def test_status_says_what_ran(entry, case, seen, tmp_path, monkeypatch):
     off = set() if case is None else {case[0]} | ({"clip"} if case[0] == "optimizer" else set())
     if not hasattr(transformers.Trainer, "_clip_grad_norm"):  # transformers < 5 clips inside its loop
         off.add("clip")
-        assert status["clip"] in ("off: switched off", "off: the optimizer hot path is switched off",
-                                  tiny.all_on_status()["clip"]), status
+        assert status["clip"] in (
+            "off: switched off",
+            "off: the optimizer hot path is switched off",
+            tiny.all_on_status()["clip"],
+        ), status
     assert {path for path, did_run in ran.items() if not did_run} == off, (status, dict(seen))
     if case is not None:
         assert status[case[0]] == "off: switched off"
