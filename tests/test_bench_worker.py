@@ -161,13 +161,13 @@ def test_worker_reports_the_training_flops_of_a_token(reference_result):
 
 
 def test_tokens_counted_are_the_real_tokens_of_the_examples(reference_result):
-    # one epoch over exactly steps x batch examples: the Trainer's non-padding count is their total length
+    # one epoch over exactly steps x batch examples: the real tokens counted at the model's input are their total
     r = reference_result
     assert r["tokens_expected"] is not None
     assert sum(r["tokens_per_step"]) == r["tokens_expected"]
     config = _tiny.bench_config()
     with pytest.raises(
-        worker.TokenCountError, match="counted 11 input tokens over the run, but its examples hold 12"
+        worker.TokenCountError, match="bench counted 11 input tokens over the run, but its examples hold 12"
     ):
         worker._check_token_count(config, [[1] * 2] * 6, [4, 8, 11])
     assert worker._check_token_count(config, [[1] * 2] * 6, [4, 8, 12]) == 12
@@ -176,7 +176,35 @@ def test_tokens_counted_are_the_real_tokens_of_the_examples(reference_result):
     assert worker._check_token_count(_tiny.bench_config(trainer_type="dpo"), [[1]] * 6, [1, 2, 3]) is None
 
 
-def test_lognormal_lengths_run_padded_and_packed_alike():
-    config = _tiny.bench_config(lengths="lognormal", seq_len=64, group_by_length=False, steps=2)
-    r = worker.run(config, Contender("fasttrain", "fasttrain"))
-    assert r["steps"] == 2 and r["tokens_expected"] == sum(r["tokens_per_step"])
+def test_lognormal_lengths_count_the_same_tokens_padded_and_packed():
+    config = _tiny.bench_config(lengths="lognormal", seq_len=512, group_by_length=False, steps=2)
+    padded = worker.run(config, Contender("reference", "reference"))
+    packed = worker.run(config, Contender("fasttrain", "fasttrain"))
+    assert packed["hot_paths"]["packing"] == "on"
+    assert packed["tokens_per_step"] == padded["tokens_per_step"]
+    assert sum(packed["tokens_per_step"]) == packed["tokens_expected"] == padded["tokens_expected"]
+    assert len(set(packed["tokens_per_step"])) > 1 or min(packed["tokens_per_step"]) < 2 * 512  # lengths vary
+
+
+def test_real_tokens_are_counted_alike_for_padded_and_packed_batches():
+    class Echo(torch.nn.Module):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None):
+            return input_ids
+
+    model = Echo()
+    counter = worker.RealTokenCounter(model, pad_token_id=0)
+    padded = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+    model(input_ids=padded, attention_mask=(padded != 0).long())
+    assert counter.total() == 5
+    packed = torch.tensor([[5, 6, 7, 8, 9]])  # the same examples in one row: no attention_mask
+    model(input_ids=packed, position_ids=torch.tensor([[0, 1, 2, 0, 1]]))
+    assert counter.total() == 10
+    model(packed)  # positional input_ids
+    assert counter.total() == 15
+    model.eval()
+    model(input_ids=packed)  # evaluation forwards are not training tokens
+    assert counter.total() == 15
+    counter.remove()
+    model.train()
+    model(input_ids=packed)
+    assert counter.total() == 15

@@ -80,7 +80,8 @@ def training_kwargs(config: BenchConfig, contender: Contender, output_dir: str, 
         bf16=config.bf16,
         use_cpu=config.device == "cpu",
         disable_tqdm=True,
-        include_num_input_tokens_seen="non_padding",
+        # No include_num_input_tokens_seen: the worker counts real tokens itself, at the model's input, the
+        # same way for padded and packed batches (the Trainer's count would keep fasttrain's packing off).
     )
     if config.group_by_length:
         # transformers 5.x names it train_sampling_strategy; older releases (the GPU machine's 5.17 may) group_by_length

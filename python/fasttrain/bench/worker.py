@@ -65,8 +65,45 @@ def _tokenizer_for(config: BenchConfig):
     return tokenizer.as_transformers_tokenizer(path)
 
 
-def _recorder(config: BenchConfig, progress_path: str | None, is_cuda: bool):
-    """A TrainerCallback that records every optimizer step: wall time, tokens seen, and every metric logged."""
+class RealTokenCounter:
+    """Counts the real (non-pad) tokens every training forward receives, from a forward pre-hook on the model.
+
+    Padded batches carry an ``attention_mask``: its sum. Packed (padding-free) rows carry none: the ids that
+    are not the pad id. Counting at the model's input gives padded and packed contenders the same measure
+    without touching the Trainer (overriding ``training_step`` would itself keep fasttrain's packing off,
+    and so would the Trainer's own ``include_num_input_tokens_seen``). The total stays a tensor on the
+    batch's device until ``total()``, read once per optimizer step."""
+
+    def __init__(self, model, pad_token_id: int | None) -> None:
+        self.pad_token_id = pad_token_id
+        self._total = None
+        self._handle = model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs):
+        if not module.training:
+            return
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 2:
+            real = mask.sum()
+        elif input_ids is not None and self.pad_token_id is not None:
+            real = (input_ids != self.pad_token_id).sum()
+        elif input_ids is not None:
+            real = input_ids.new_tensor(input_ids.numel())
+        else:
+            return
+        self._total = real.detach() if self._total is None else self._total + real.detach()
+
+    def total(self) -> int:
+        return 0 if self._total is None else int(self._total)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def _recorder(config: BenchConfig, progress_path: str | None, is_cuda: bool, counter: RealTokenCounter):
+    """A TrainerCallback that records every optimizer step: wall time, real tokens seen (``counter``), and
+    every metric logged."""
     import torch
     from transformers import TrainerCallback
 
@@ -93,7 +130,7 @@ def _recorder(config: BenchConfig, progress_path: str | None, is_cuda: bool):
         def on_step_end(self, args, state, control, **kwargs):
             self.step_end.append(self._now())
             self.step_end_cpu.append(time.process_time())
-            self.tokens_seen.append(int(state.num_input_tokens_seen))
+            self.tokens_seen.append(counter.total())
             if self.progress:
                 self.progress.write(f"{state.global_step}\n")
                 self.progress.flush()
@@ -162,9 +199,9 @@ class TokenCountError(RuntimeError):
 def _check_token_count(config: BenchConfig, examples: list[list[int]], tokens_seen: list[int]) -> int | None:
     """The real (non-pad) tokens of the examples the run consumed, checked against the Trainer's count.
 
-    tokens/s is only comparable between a padded and a packed contender if both count real tokens: the
-    Trainer counts ``attention_mask.sum()`` when a batch has one, else the ids that are not the pad id. When
-    the run consumed whole epochs (the bench asks for exactly ``examples_needed`` examples, so one epoch
+    tokens/s is only comparable between a padded and a packed contender if both count real tokens
+    (``RealTokenCounter``: ``attention_mask.sum()`` when a batch has one, else the ids that are not the pad
+    id). When the run consumed whole epochs (the bench asks for exactly ``examples_needed`` examples, so one epoch
     unless the data ran out), the count must equal the examples' own lengths; a mismatch stops the run. TRL
     trainers count differently (DPO counts chosen and rejected rows): None, not checked.
     """
@@ -174,7 +211,7 @@ def _check_token_count(config: BenchConfig, examples: list[list[int]], tokens_se
     counted = tokens_seen[-1] if tokens_seen else 0
     if len(tokens_seen) == config.steps and counted != expected:
         raise TokenCountError(
-            f"the Trainer counted {counted} input tokens over the run, but its examples hold {expected} real "
+            f"the bench counted {counted} input tokens over the run, but its examples hold {expected} real "
             "tokens: tokens/s would not compare real tokens between contenders"
         )
     return expected
@@ -216,7 +253,8 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         torch.cuda.reset_peak_memory_stats()
         allocated_after_setup = torch.cuda.memory_allocated() / 2**20
 
-    recorder = _recorder(config, progress_path, is_cuda)
+    counter = RealTokenCounter(model, tok.pad_token_id)
+    recorder = _recorder(config, progress_path, is_cuda, counter)
     with tempfile.TemporaryDirectory(prefix="fasttrain-bench-") as output_dir:
         if config.trainer_type == "transformers":
             trainer = _transformers_trainer(config, contender, model, tok, examples, output_dir, recorder)
