@@ -65,6 +65,6 @@ def token_budget_offsets(
     """Boundaries of greedy token-budget batches of order (batch b is order[offsets[b]:offsets[b + 1]]),
     their count made a multiple of num_replicas by splitting the largest batches (or, with drop_last,
     by dropping trailing ones). ValueError for a zero budget or rank count, a negative length, an index
-    out of range, or fewer examples than ranks without drop_last."""
+    out of range, or (without drop_last) too few examples to reach a multiple of num_replicas."""
 
 # --- end sampler ---
