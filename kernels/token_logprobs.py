@@ -84,6 +84,7 @@ def _token_stats_kernel(
     log_sum_sq_ptr,
     mean_ptr,
     top1_ptr,  # [rows] int8 out
+    scale_ptr,  # fp32 scalar: the upstream gradient of every scored log-prob (COMPUTE_GRAD)
     n_cols,
     ignore_index,
     logit_scale,
@@ -163,7 +164,7 @@ def _token_stats_kernel(
                 label,
                 log_z,
                 entropy,
-                1.0,
+                tl.load(scale_ptr),
                 0.0,
                 n_cols,
                 logit_scale,
@@ -250,7 +251,7 @@ def token_stats_chunk(
     log_sum_sq_probs,
     mean_logits,
     is_top1,
-    compute_grad,
+    scale=None,
     scratch=None,
     block_v=None,
 ):
@@ -278,6 +279,7 @@ def token_stats_chunk(
             out.get("log_sum_sq_probs", dummy),
             out.get("mean_logits", dummy),
             dummy if top1 is None else top1,
+            dummy if scale is None else scale.to(device=logits.device, dtype=torch.float32).reshape(1),
             n_cols,
             head.ignore_index,
             head.logit_scale,
@@ -288,13 +290,13 @@ def token_stats_chunk(
             HAS_LOG_SUM_SQ=log_sum_sq_probs,
             HAS_MEAN=mean_logits,
             HAS_TOP1=is_top1,
-            COMPUTE_GRAD=compute_grad,
+            COMPUTE_GRAD=scale is not None,
             BLOCK_V=block,
             num_warps=_num_warps(block),
         )
     if top1 is not None:
         out["is_top1"] = top1.bool()
-    return out, (logits if compute_grad else None)
+    return out, (None if scale is None else logits)
 
 
 def token_grad_chunk(

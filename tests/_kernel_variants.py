@@ -115,7 +115,7 @@ KERNELS = [
     KernelSpec(
         "token_logprobs", "_token_stats_kernel",
         {**_ROW, "log_probs_ptr": "*fp32", "log_z_ptr": "*fp32", "entropy_ptr": "*fp32",
-         "log_sum_sq_ptr": "*fp32", "mean_ptr": "*fp32", "top1_ptr": "top1", "n_cols": "i32",
+         "log_sum_sq_ptr": "*fp32", "mean_ptr": "*fp32", "top1_ptr": "top1", "scale_ptr": "*fp32", "n_cols": "i32",
          "ignore_index": "i32", "logit_scale": "fp32", "softcap": "fp32", "inv_t": "fp32"},
         {"logits": FLOAT_POINTERS, "HAS_SOFTCAP": BOOL, "HAS_ENTROPY": BOOL, "HAS_LOG_SUM_SQ": BOOL,
          "HAS_MEAN": BOOL, "HAS_TOP1": BOOL, "COMPUTE_GRAD": BOOL, "BLOCK_V": BLOCK_V},

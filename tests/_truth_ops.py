@@ -56,7 +56,8 @@ def assert_all_truth(triples, *, k: float, ulps: float, dtype=None, what: str = 
     off = [
         m
         for name, ours, ref, truth in triples
-        if (m := check_truth(ours, ref, truth, k=k, ulps=ulps, dtype=dtype, what=f"{what} {name}")) is not None
+        if (m := check_truth(ours, ref, truth, k=k, ulps=ulps, dtype=dtype, what=f"{what} {name}"))
+        is not None
     ]
     assert not off, f"{len(off)} off (k={k}, floor {ulps} ulp):\n  " + "\n  ".join(off)
 
@@ -69,3 +70,25 @@ def _log(what: str, d_ours: float, d_ref: float, floor: float) -> None:
     cap = os.environ.get("ATEN_CPU_CAPABILITY", "native")
     with open(path, "a") as f:
         f.write(f"{cap}\t{test}\t{what}\t{d_ours:.3e}\t{d_ref:.3e}\t{floor:.3e}\n")
+
+
+def signed_rel_error(x: torch.Tensor, truth: torch.Tensor) -> float:
+    """The error of ``x`` projected on the truth, relative to it: ``<x - truth, truth> / |truth|^2``.
+
+    A scale bias (every element off by the same factor, e.g. bf16 rounding ``1 - p`` to 1 on every token at
+    initialisation) shows here in full, while rounding noise averages out over many elements."""
+    t = truth.detach().double()
+    return float(((x.detach().double() - t) * t).sum() / (t * t).sum())
+
+
+def assert_bias_no_larger(triples, *, slack: float) -> None:
+    """``triples`` of (name, ours, ref, truth): ``|signed_rel_error(ours)| <= |signed_rel_error(ref)| + slack``."""
+    off = []
+    for name, ours, ref, truth in triples:
+        e_ours, e_ref = signed_rel_error(ours, truth), signed_rel_error(ref, truth)
+        _log(f"bias {name}", e_ours, e_ref, slack)
+        if not abs(e_ours) <= abs(e_ref) + slack:
+            off.append(
+                f"{name}: signed relative error {e_ours:+.3e}, reference {e_ref:+.3e} (slack {slack:.1e})"
+            )
+    assert not off, "\n  ".join(off)

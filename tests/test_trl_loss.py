@@ -204,17 +204,17 @@ def _sft_factory(tmp_path, dataset="text", model="llama", with_eval=False, **con
     ],
 )
 def test_sft_same_loss_and_metrics(case, dataset, config, tmp_path, monkeypatch):
-    from fasttrain.loss import token_logprobs
+    from fasttrain.loss import chunked_head
 
-    speculation = []  # for each speculating backward: could it scale the forward's gradients?
-    check = token_logprobs._uniform_value
+    speculation = []  # for each speculating backward: could it use the forward's gradients (exactly)?
+    check = chunked_head._exact_ratio
     monkeypatch.setattr(
-        token_logprobs, "_uniform_value", lambda *a: speculation.append(check(*a) is not None) or check(*a)
+        chunked_head, "_exact_ratio", lambda *a: speculation.append(check(*a) is not None) or check(*a)
     )
     _run_both(_sft_factory(tmp_path, dataset, **config), monkeypatch, SFT_METRICS)
     if config.get("loss_type") == "dft":  # a per-token weight: no speculation, the backward recomputes
         assert speculation == []
-    else:  # -sum(log_probs) / n: every backward scaled the gradients the forward computed
+    else:  # -sum(log_probs) / n: every backward used the gradients the forward computed
         assert speculation and all(speculation), speculation
 
 

@@ -115,6 +115,22 @@ def _assert_metrics_near_truth(ref, ours, truth, must_have, bf16):
     assert compared or bf16, "in float32 no top-1 hit should lie within rounding of a tie"
 
 
+# bf16 runs: the step-1 loss and every step's grad_norm against the reference's own distance at that step, with
+# only float32's floor (not half a bf16 unit): both heads round the same bf16 operands and logit gradients, so
+# ours must be another draw of the reference's rounding, not a shift. A head that rounds a logit gradient
+# before its upstream scale, or returns bf16 gradients, is ~1e-3 off at every step (issue 17) and fails here.
+BF16_SAME_ROUNDING = _truth.Bound(k=_truth.K, floor=8 * _truth.EPS32)
+
+
+def _assert_bf16_tracks_reference(ref, ours, truth):
+    logs = [tiny.step_logs(run) for run in (ours, ref, truth)]
+    checks = [("loss", 0)] + [("grad_norm", step) for step in range(len(logs[2]))]
+    for key, step in checks:
+        _truth.assert_scalar_near_truth(
+            f"bf16 step {step + 1} {key} (per-step bound)", *(run[step][key] for run in logs), BF16_SAME_ROUNDING
+        )
+
+
 def _assert_under_accelerate_autocast(trainer, bf16):
     """Under mixed precision, fasttrain's forward sits where TRL's was: inside Accelerate's autocast wrapper."""
     from fasttrain.loss import trl_support
@@ -160,6 +176,8 @@ def test_sft_under_patch(tmp_path, cls, bf16):
     _assert_under_accelerate_autocast(ours, bf16)
     _assert_metrics_near_truth(ref, ours, truth, {"loss", "mean_token_accuracy", "entropy", "num_tokens",
                                                   "grad_norm"}, bf16)
+    if bf16:
+        _assert_bf16_tracks_reference(ref, ours, truth)
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
@@ -183,6 +201,8 @@ def test_dpo_under_patch(tmp_path, bf16):
     _assert_under_accelerate_autocast(ours, bf16)
     _assert_metrics_near_truth(ref, ours, truth, {"loss", "rewards/chosen", "rewards/margins", "rewards/accuracies",
                                                   "logps/chosen", "grad_norm"}, bf16)
+    if bf16:
+        _assert_bf16_tracks_reference(ref, ours, truth)
 
 
 def test_a_trl_trainer_whose_head_cannot_be_served_keeps_trls(tmp_path, monkeypatch):

@@ -17,9 +17,9 @@ DPO's reference model, instance by instance:
   the forward TRL installed (its closure): that is private to TRL, so it is gated on the TRL versions this was
   tested with (``TESTED_TRL``) and on the names being there; otherwise a reason is returned and TRL keeps
   its own head;
-- SFT's ``nll`` loss is ``-sum(log_probs) / n``: its gradient is the same on every scored token, so the forward
-  computes the gradients speculatively and the backward only scales them (``uniform_grad``; checked, and
-  recomputed when it does not hold). DPO's gradients differ per sequence: the backward recomputes.
+- SFT's ``nll`` loss is ``-sum(log_probs) / n``: its gradient is ``-1/n`` on every scored token, so the forward
+  computes the gradients for it (``uniform_grad``; used only where exact, see ``chunked_head``; else
+  recomputed). DPO's gradients differ per sequence: the backward recomputes.
 
 TRL's own kernel may still be the faster one on a GPU: ``KERNEL_CHOICE`` says which kernel serves each device
 type and trainer, decided by ``benchmarks/gpu/bench_loss_gpu.py --trl``; where it says ``"trl"``,
@@ -301,6 +301,7 @@ def _fused_head(model, state, args, kwargs, labels, shift_labels, num_items_in_b
         weight = weight.full_tensor()
         bias = None if bias is None else bias.full_tensor()
     mask = labels != -100
+    count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     state.fused_calls += 1
     # only the scored positions go through the head (a host sync on a GPU, as in TRL's compact path)
     stats = fused_token_log_probs(
@@ -312,13 +313,15 @@ def _fused_head(model, state, args, kwargs, labels, shift_labels, num_items_in_b
         logit_scale=settings["logit_scale"],
         softcap=settings["final_logit_softcapping"],
         outputs=tuple(settings["outputs"]),
-        uniform_grad=state.uniform_grad,
+        # nll's -sum(log_probs) / count: the gradient of each scored log-prob, applied before any rounding
+        uniform_grad=-1.0 / torch.as_tensor(count, dtype=torch.float32, device=hidden.device)
+        if state.uniform_grad
+        else False,
     )
     # masked_scatter keeps an all-masked batch connected to the graph (a differentiable zero), as TRL does
     log_probs, entropy, log_sum_sq, mean_logits, is_top1 = (
         None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in stats
     )
-    count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     return FusedCausalLMOutput(
         loss=-log_probs.sum() / count,
         log_probs=log_probs,

@@ -1,0 +1,270 @@
+"""One chunked LM head: per-token math on ``hidden @ weight.T (+ bias)`` without the ``[tokens, vocab]`` logits.
+
+Both fused heads run here: the cross-entropy (``function.py``) and TRL's per-token statistics
+(``token_logprobs.py``). Each brings a ``ChunkMath`` (the per-chunk math: its per-token outputs and the
+gradient with respect to the chunk's logits, a Triton kernel on GPU or its torch twin); everything around it
+is written once here:
+
+- chunking (``default_chunk_rows``) and one logits buffer reused by every chunk (``Scratch``);
+- precision, one contract for every entry: the operands are cast to the compute dtype (the autocast dtype,
+  else the inputs') inside the autograd Function, the weight once per pass and the hidden states per chunk,
+  so the gradients come back in the inputs' own dtypes, as from autocast ``nn.Linear``. The chunk math
+  computes the logit gradient in fp32 with its upstream scale already applied and rounds it once to the
+  compute dtype for the matmuls (as autocast ``nn.Linear`` + ``cross_entropy`` and TRL's head do: rounding
+  first and scaling after biases the whole gradient at initialisation, where ``1 - p`` rounds to 1 on every
+  token). The hidden, weight and bias gradients are accumulated in fp32 and cast to the inputs' dtypes last;
+- the speculation: when the caller knows which upstream gradient will come (the same value on every scored
+  token: ``1/n`` for a mean, ``-1/n`` for SFT's ``nll``), the forward computes the gradients for it (3 matmuls
+  in all instead of 4: the backward need not recompute the logits). The backward uses them only where that
+  is exact: every scored upstream equal, and a power of two times the prediction (scaling by a power of two
+  commutes with rounding). Else it recomputes. The check reads one value on the host (a sync on a GPU).
+
+Memory: one ``[rows, vocab]`` logits buffer in the compute dtype (plus the chunk math's fp32 temporaries on
+CPU), the fp32 gradient accumulators, and under autocast one copy of the weight in the compute dtype (as
+autocast ``nn.Linear`` makes), plus on CPU an fp32 copy of it while a hidden gradient is folded (CPU has no
+half-precision matmul with an fp32 output).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["MIN_CHUNK_ROWS", "ChunkMath", "check_labels", "check_operands", "default_chunk_rows", "run_head"]
+
+MIN_CHUNK_ROWS = 256
+# torch >= 2.8 has addmm with bf16/fp16 operands and an fp32 output on CUDA (not on CPU)
+_CUDA_MIXED_ADDMM = torch.__version__ >= (2, 8)
+
+
+def default_chunk_rows(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
+    """Tokens per chunk: the chunk's logits hold about as many values as the hidden states
+    (``tokens x hidden / vocab``), rounded up to a power of two, within [``MIN_CHUNK_ROWS``, tokens].
+
+    The floor matters: every chunk reads the weight twice and the weight-gradient accumulator once, so tiny
+    chunks turn the matmuls memory-bound (measured on CPU at hidden 256-512, vocab 151,936: 32-row chunks
+    ~1.7x slower than 512-row ones, 128-row ones ~1.2x slower than 256-row ones)."""
+    if n_tokens <= 0:
+        return 1
+    rows = 1 << max(0, math.ceil(n_tokens * hidden_size / max(vocab_size, 1)) - 1).bit_length()
+    return max(1, min(n_tokens, max(MIN_CHUNK_ROWS, rows)))
+
+
+class ChunkMath(Protocol):
+    """The per-chunk math a head plugs into ``run_head``. ``logits`` is a ``[rows, V]`` buffer in the compute
+    dtype that the math may overwrite; a returned gradient is ``d/d logits`` in that dtype (often the buffer)."""
+
+    valid: torch.Tensor  # [N] bool: the scored tokens (the rest get zero outputs and zero gradients)
+    # the first outputs take upstream gradients; the others are marked non-differentiable
+    n_differentiable: int
+
+    def forward_chunk(
+        self, logits, lo: int, hi: int, scale: torch.Tensor | None, scratch
+    ) -> torch.Tensor | None:
+        """Record rows lo:hi of the outputs; with ``scale``, return the gradient of ``sum(scale * first output)``."""
+
+    def backward_chunk(self, logits, lo: int, hi: int, upstream: tuple, scratch) -> torch.Tensor:
+        """The gradient for the per-token upstream gradients of the differentiable outputs (rows lo:hi)."""
+
+    def take_outputs(self) -> tuple[torch.Tensor, ...]:
+        """The per-token outputs, once (the math keeps no reference to them: no cycle through autograd)."""
+
+
+class Scratch:
+    """Chunk-sized buffers reused from one chunk to the next (one ``Scratch`` per pass).
+
+    On CPU a fresh ``[rows, vocab]`` tensor per chunk costs its page faults every time (allocations that large
+    are mapped from the OS and returned to it when freed): measured 0.06 s for an in-place ``exp`` over
+    256 x 151,936 fp32 values against 0.20 s for one that allocates its output.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(
+        self, name: str, shape: tuple[int, int], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        numel = shape[0] * shape[1]
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
+
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into an fp32 ``acc`` without rounding the product to the operands' dtype first."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif _CUDA_MIXED_ADDMM and a.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:  # chunk-sized fp32 copies (the callers keep the weight-sized one)
+        acc.addmm_(a.float(), b.float())
+
+
+class _Grads:
+    """fp32 accumulators of the hidden, weight and bias gradients over the chunks of one pass."""
+
+    def __init__(self, hidden: torch.Tensor, w: torch.Tensor, needs: tuple[bool, bool, bool]) -> None:
+        f32 = {"dtype": torch.float32, "device": w.device}
+        self.hidden = torch.zeros(hidden.shape, **f32) if needs[0] else None
+        self.weight = torch.zeros(w.shape, **f32) if needs[1] else None
+        self.bias = torch.zeros(w.shape[0], **f32) if needs[2] else None
+        # the (rounded) weight in fp32 for the hidden gradient where no mixed-dtype matmul exists (CPU)
+        mixed = w.dtype == torch.float32 or (_CUDA_MIXED_ADDMM and w.is_cuda)
+        self.w32 = None if self.hidden is None or mixed else w.float()
+
+    def fold(self, grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, lo: int, hi: int) -> None:
+        if self.hidden is not None:
+            if self.w32 is not None:
+                torch.mm(grad.float(), self.w32, out=self.hidden[lo:hi])
+            else:
+                _addmm_fp32(self.hidden[lo:hi], grad, w)
+        if self.weight is not None:
+            _addmm_fp32(self.weight, grad.t(), h)
+        if self.bias is not None:
+            self.bias += grad.sum(dim=0, dtype=torch.float32)
+
+    def finish(self, ratio: torch.Tensor | None, like: tuple) -> tuple:
+        """Scaled by ``ratio`` (a power of two: exact), cast to the dtypes of ``like`` (hidden, weight, bias)."""
+        out = []
+        for grad, ref in zip((self.hidden, self.weight, self.bias), like, strict=True):
+            if grad is not None and ratio is not None:
+                grad.mul_(ratio)
+            out.append(None if grad is None else grad.to(ref.dtype))
+        return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    compute_dtype: torch.dtype
+    chunk_rows: int
+    predicted: torch.Tensor | None  # fp32 scalar: the upstream expected on every scored token of output 0
+
+
+def _pass(hidden, weight, bias, plan: _Plan, needs, chunk_grad) -> _Grads | None:
+    """One sweep over the chunks: logits in the compute dtype, ``chunk_grad`` on them, gradients folded in."""
+    w = weight.to(plan.compute_dtype)
+    b = None if bias is None else bias.to(plan.compute_dtype)
+    grads = _Grads(hidden, w, needs) if needs is not None and any(needs) else None
+    scratch = Scratch()
+    for lo in range(0, hidden.shape[0], plan.chunk_rows):
+        hi = min(lo + plan.chunk_rows, hidden.shape[0])
+        h = hidden[lo:hi].to(plan.compute_dtype)
+        logits = scratch.take("logits", (hi - lo, w.shape[0]), plan.compute_dtype, hidden.device)
+        if b is None:
+            torch.mm(h, w.t(), out=logits)
+        else:
+            torch.addmm(b, h, w.t(), out=logits)
+        grad = chunk_grad(logits, lo, hi, scratch)
+        if grads is not None and grad is not None:
+            grads.fold(grad, h, w, lo, hi)
+    return grads
+
+
+def _exact_ratio(upstream: torch.Tensor, valid: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor | None:
+    """``upstream / predicted`` if every scored upstream is the same (+-) power of two times the prediction,
+    else None. Equal mantissas (``frexp``) mean an exact ratio +-2^k; scaling by it commutes with every rounding
+    of the gradient, so the forward's gradients scaled by it are what a recompute would give."""
+    u = upstream.float()
+    if u.numel() == 0:
+        return None  # no chunk to recompute
+    top = torch.where(valid, u, -math.inf).amax()
+    bottom = torch.where(valid, u, math.inf).amin()
+    predicted = predicted.to(u.device, torch.float32)
+    same_mantissa = torch.frexp(top).mantissa.abs() == torch.frexp(predicted).mantissa.abs()
+    ratio = top / predicted  # +-2^k exactly where the mantissas agree; NaN for inf / inf (recompute)
+    if not bool((top == bottom) & same_mantissa & torch.isfinite(ratio)):  # the host read (sync)
+        return None
+    return ratio
+
+
+class _ChunkedHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, chunk_math: ChunkMath, plan: _Plan):  # type: ignore[override]
+        ctx.set_materialize_grads(False)  # e.g. the entropy is usually logged, not trained on
+        needs = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            bias is not None and ctx.needs_input_grad[2],
+        )
+        scale = plan.predicted if any(needs) else None
+        ctx.basis = _pass(
+            hidden, weight, bias, plan, needs if scale is not None else None,
+            lambda logits, lo, hi, scratch: chunk_math.forward_chunk(logits, lo, hi, scale, scratch),
+        )  # fmt: skip
+        outputs = chunk_math.take_outputs()
+        ctx.save_for_backward(hidden, weight, bias)
+        ctx.chunk_math, ctx.plan, ctx.needs = chunk_math, plan, needs
+        ctx.mark_non_differentiable(*outputs[chunk_math.n_differentiable :])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *upstream):  # type: ignore[override]
+        hidden, weight, bias = ctx.saved_tensors
+        basis, ctx.basis = ctx.basis, None  # used at most once: a second backward recomputes
+        none = (None, None)
+        upstream = upstream[: ctx.chunk_math.n_differentiable]
+        if all(g is None for g in upstream):
+            return None, None, None, *none
+        like = (hidden, weight, bias)
+        if basis is not None and upstream[0] is not None and all(g is None for g in upstream[1:]):
+            ratio = _exact_ratio(upstream[0], ctx.chunk_math.valid, ctx.plan.predicted)
+            if ratio is not None:
+                return *basis.finish(ratio, like), *none
+        chunk_math = ctx.chunk_math
+        grads = _pass(
+            hidden, weight, bias, ctx.plan, ctx.needs,
+            lambda logits, lo, hi, scratch: chunk_math.backward_chunk(logits, lo, hi, upstream, scratch),
+        )  # fmt: skip
+        assert grads is not None
+        return *grads.finish(None, like), *none
+
+
+def run_head(
+    hidden: torch.Tensor,  # [N, H], contiguous
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V]
+    chunk_math: ChunkMath,
+    chunk_rows: int,
+    predicted: Any = None,  # the upstream gradient expected on each scored token of output 0, or None
+) -> tuple[torch.Tensor, ...]:
+    """The chunk math's per-token outputs, differentiable through ``hidden``, ``weight`` and ``bias``. Under
+    autocast the matmuls run in the autocast dtype, like ``nn.Linear``; the gradients keep the inputs' dtypes."""
+    device_type = hidden.device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    compute_dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
+    if predicted is not None:
+        predicted = torch.as_tensor(predicted, dtype=torch.float32, device=hidden.device)
+    plan = _Plan(compute_dtype, max(1, chunk_rows), predicted)
+    with torch.autocast(device_type, enabled=False):
+        return _ChunkedHead.apply(hidden, weight, bias, chunk_math, plan)
+
+
+def check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Every label in ``[0, vocab)`` or ``ignore_index``: an exception on CPU, a device-side assert elsewhere."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if labels.device.type == "cpu":
+        if bool(bad.any()):
+            pos = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"labels[{pos}] = {int(labels[pos])} is outside the vocabulary [0, {vocab}) "
+                f"and is not ignore_index ({ignore_index})"
+            )
+    else:  # no host sync on the accelerator
+        torch._assert_async(~bad.any(), f"a label is outside [0, {vocab}) and is not ignore_index")
+
+
+def check_operands(hidden: torch.Tensor, weight: torch.Tensor, bias: Any, labels: Any) -> None:
+    """Checks shared by both heads (the shapes of hidden and weight are checked by each entry)."""
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != hidden.dtype):
+        raise ValueError(
+            f"bias must have shape ({weight.shape[0]},) and dtype {hidden.dtype}, "
+            f"got {tuple(bias.shape)} {bias.dtype}"
+        )
+    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got {getattr(labels, 'dtype', type(labels))}")
