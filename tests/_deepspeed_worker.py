@@ -58,7 +58,13 @@ def ds_config(stage: int, with_optimizer: bool) -> dict:
         # torch's AdamW (torch_adam) rather than DeepSpeed's FusedAdam, whose op would be compiled at run time
         config["optimizer"] = {
             "type": "AdamW",
-            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto", "torch_adam": True},
+            "params": {
+                "lr": "auto",
+                "betas": "auto",
+                "eps": "auto",
+                "weight_decay": "auto",
+                "torch_adam": True,
+            },
         }
     return config
 
@@ -89,10 +95,26 @@ def _innermost_optimizer(optimizer):
 SAVE_STEP = 4  # fasttrain-save checkpoints here; fasttrain-resume resumes from it
 
 
-def _run(patched=True, dtype=torch.float32, ds_optimizer=False, optim_args=None, save=False, resume=False,
-         tied=False, bf16=False):
-    return dict(patched=patched, dtype=dtype, ds_optimizer=ds_optimizer, optim_args=optim_args, save=save,
-                resume=resume, tied=tied, bf16=bf16)
+def _run(
+    patched=True,
+    dtype=torch.float32,
+    ds_optimizer=False,
+    optim_args=None,
+    save=False,
+    resume=False,
+    tied=False,
+    bf16=False,
+):
+    return dict(
+        patched=patched,
+        dtype=dtype,
+        ds_optimizer=ds_optimizer,
+        optim_args=optim_args,
+        save=save,
+        resume=resume,
+        tied=tied,
+        bf16=bf16,
+    )
 
 
 RUNS = {

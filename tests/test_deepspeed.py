@@ -32,10 +32,29 @@ ROWS = 32  # 2 ranks x 2 rows x 2 accumulation steps = 8 rows a step: 4 whole st
 EPOCHS = 2
 LAUNCH_RUNS = {
     1: ["truth", "reference", "fasttrain"],
-    2: ["truth", "reference", "fasttrain", "fasttrain-ds-optimizer", "fasttrain-8bit", "fasttrain-stochastic-rounding",
-        "fasttrain-save", "fasttrain-resume", "reference-bf16", "fasttrain-bf16"],
-    3: ["truth", "reference", "fasttrain", "fasttrain-ds-optimizer", "fasttrain-save", "fasttrain-resume",
-        "truth-tied", "reference-tied", "fasttrain-tied"],
+    2: [
+        "truth",
+        "reference",
+        "fasttrain",
+        "fasttrain-ds-optimizer",
+        "fasttrain-8bit",
+        "fasttrain-stochastic-rounding",
+        "fasttrain-save",
+        "fasttrain-resume",
+        "reference-bf16",
+        "fasttrain-bf16",
+    ],
+    3: [
+        "truth",
+        "reference",
+        "fasttrain",
+        "fasttrain-ds-optimizer",
+        "fasttrain-save",
+        "fasttrain-resume",
+        "truth-tied",
+        "reference-tied",
+        "fasttrain-tied",
+    ],
 }
 SAVE_STEP = 4  # the worker's: fasttrain-save checkpoints at step 4, fasttrain-resume resumes from there
 # fasttrain's float32 run may be a few times farther from the float64 truth than the float32 reference is:
@@ -67,9 +86,25 @@ def _free_port() -> str:
 def launch(out: Path, stage: int, runs: list[str]) -> dict[str, list[dict]]:
     """Run the worker once for ``runs``; returns each run's results of both ranks."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
-           str(WORKER), str(out), "--stage", str(stage), "--runs", ",".join(runs), "--epochs", str(EPOCHS),
-           "--rows", str(ROWS)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        _free_port(),
+        str(WORKER),
+        str(out),
+        "--stage",
+        str(stage),
+        "--runs",
+        ",".join(runs),
+        "--epochs",
+        str(EPOCHS),
+        "--rows",
+        str(ROWS),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return {run: [json.loads((out / f"{run}-rank{r}.json").read_text()) for r in range(2)] for run in runs}
@@ -89,8 +124,12 @@ def launched(tmp_path_factory):
 
 
 def _cases(*names: str) -> list:
-    return [pytest.param(stage, run, id=f"zero{stage}-{run}")
-            for stage, runs in LAUNCH_RUNS.items() for run in runs if run in names]
+    return [
+        pytest.param(stage, run, id=f"zero{stage}-{run}")
+        for stage, runs in LAUNCH_RUNS.items()
+        for run in runs
+        if run in names
+    ]
 
 
 STAGES = [pytest.param(stage, id=f"zero{stage}") for stage in LAUNCH_RUNS]
@@ -114,13 +153,21 @@ def test_runs_are_zero_on_two_ranks(launched, stage):
     runs = launched(stage)
     for name in ("truth", "reference", "fasttrain"):
         for r in _trained(runs[name]):
-            assert (r["world_size"], r["distributed_type"], r["zero_stage"]) == (2, "DistributedType.DEEPSPEED", stage)
+            assert (r["world_size"], r["distributed_type"], r["zero_stage"]) == (
+                2,
+                "DistributedType.DEEPSPEED",
+                stage,
+            )
     assert {r["weights_dtype"] for r in runs["truth"]} == {"torch.float64"}
     # every run of the launch started from the same weights (a model built under a leftover zero.Init would not)
     for tied in (False, True):
-        checksums = {r["initial_checksum"] for results in runs.values() for r in results if r.get("tied") is tied}
+        checksums = {
+            r["initial_checksum"] for results in runs.values() for r in results if r.get("tied") is tied
+        }
         assert len(checksums) <= 1, checksums
-    assert all(r["tied"] == name.endswith("-tied") for name, results in runs.items() for r in results if "tied" in r)
+    assert all(
+        r["tied"] == name.endswith("-tied") for name, results in runs.items() for r in results if "tied" in r
+    )
     assert {r["weights_dtype"] for r in runs["fasttrain"]} == {"torch.float32"}
     for name in (n for n in runs if n.endswith("-bf16")):  # DeepSpeed's bf16 mode put the weights in bf16
         assert {r["weights_dtype"] for r in _trained(runs[name])} == {"torch.bfloat16"}
@@ -177,7 +224,9 @@ def test_status_tells_the_truth(launched, stage, run):
 @pytest.mark.parametrize(("stage", "run"), _cases("fasttrain-ds-optimizer"))
 def test_deepspeed_optimizer_section_is_reported(launched, stage, run):
     run = _trained(launched(stage)[run])[0]
-    assert run["status"]["optimizer"] == "off: DeepSpeed's config chose the optimizer (its `optimizer` section)"
+    assert (
+        run["status"]["optimizer"] == "off: DeepSpeed's config chose the optimizer (its `optimizer` section)"
+    )
     assert run["inner_optimizer"] == "torch.optim.adamw.AdamW"
     # the status settled at the first step of DeepSpeed's optimizer: nothing is left undecided
     assert run["status"]["loss"] == "on" and run["lm_head_calls"] == 0
