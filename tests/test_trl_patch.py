@@ -196,7 +196,11 @@ def test_dpo_under_patch(tmp_path, bf16):
     ref, _ = _train(make, patched=False)
     ours, lm_head_calls = _train(make, patched=True)
     truth, _ = _train(make, patched=False, truth=True)
-    assert ours.fasttrain_status == {**tiny.all_on_status(), "sampler": "off: group_by_length is not set"}
+    # DPO's preference batches (chosen and rejected rows of one prompt) are not ones packing starts from
+    packing = ("off: the collator fasttrain.data.trl_collators.DataCollatorForPreference is not a padding collator "
+               "fasttrain knows (its batches are kept as they are)")
+    assert ours.fasttrain_status == {**tiny.all_on_status(), "sampler": "off: group_by_length is not set",
+                                     "packing": packing}
     assert lm_head_calls == 0
     _assert_under_accelerate_autocast(ours, bf16)
     _assert_metrics_near_truth(ref, ours, truth, {"loss", "rewards/chosen", "rewards/margins", "rewards/accuracies",
