@@ -230,3 +230,45 @@ def test_collator_and_model_problems_name_the_cause():
     dynamic = tiny.model("llama")
     dynamic.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     assert "'dynamic'" in packing.model_problem(dynamic)
+
+
+def _trainer(tmp_path, **overrides):
+    tok = tiny.tokenizer()
+    kwargs = dict(
+        model=tiny.model("llama"),
+        args=tiny.training_args(str(tmp_path), max_steps=1, gradient_accumulation_steps=1, **overrides),
+        train_dataset=tiny.dataset(n=8),
+        eval_dataset=tiny.dataset(n=4),
+        data_collator=transformers.DataCollatorForSeq2Seq(tok, padding=True),
+        processing_class=tok,
+    )
+    return kwargs
+
+
+def test_only_the_training_loader_packs(tmp_path):
+    trainer = fasttrain.Trainer(**_trainer(tmp_path))
+    assert isinstance(trainer.get_train_dataloader().collate_fn, packing.PackingCollator)
+    assert not isinstance(trainer.get_eval_dataloader().collate_fn, packing.PackingCollator)
+    assert (
+        type(trainer.data_collator) is fasttrain.DataCollatorForSeq2Seq
+    )  # restored after the loader is built
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"data_collator": transformers.default_data_collator}, "is not a padding collator fasttrain knows"),
+        ({"args": {"include_num_input_tokens_seen": "all"}}, "include_num_input_tokens_seen='all'"),
+        ({"args": {"neftune_noise_alpha": 5.0}}, "neftune_noise_alpha"),
+    ],
+    ids=["own-collator", "tokens-seen", "neftune"],
+)
+def test_status_says_why_batches_stay_padded(change, reason, tmp_path):
+    kwargs = _trainer(tmp_path, **change.get("args", {}))
+    kwargs.update({k: v for k, v in change.items() if k != "args"})
+    if kwargs["data_collator"] is transformers.default_data_collator:
+        kwargs["train_dataset"] = tiny.dataset(n=8, min_len=10, max_len=10)  # one length: no padding needed
+    trainer = fasttrain.Trainer(**kwargs)
+    trainer.train()
+    status = trainer.fasttrain_status["packing"]
+    assert status.startswith("off: ") and reason in status, status

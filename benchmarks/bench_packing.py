@@ -1,0 +1,166 @@
+"""Packing's share, side by side: the reference Trainer (padded) vs fasttrain packed vs fasttrain padded (packing off).
+
+A tiny Qwen3-shaped model, log-normal example lengths (instruction-data-like), no length grouping on any side,
+the LM collator (labels = input_ids, pad ignored). Same steps, same data, same seed; runs alternate, medians of
+``--repeats``. Tokens/s counts real (non-pad) tokens. Writes benchmarks/results/packing.{json,md}.
+
+    python benchmarks/bench_packing.py --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import _tiny as tiny
+import fasttrain
+
+
+def _model(vocab: int, hidden: int, layers: int):
+    config = transformers.Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def _dataset(n: int, vocab: int, median: int, longest: int, seed: int = 0):
+    import datasets
+
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(np.log(median), 0.8, n).astype(int), 16, longest)
+    rows = [rng.integers(3, vocab, k).tolist() for k in lengths]
+    return datasets.Dataset.from_dict({"input_ids": rows}), lengths
+
+
+def _run(kind: str, args, dataset, out: str):
+    tok = tiny.tokenizer()
+    model = _model(args.vocab, args.hidden, args.layers)
+    collator = transformers.DataCollatorForLanguageModeling(tok, mlm=False)
+    targs = tiny.training_args(
+        out,
+        per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=1,
+        max_steps=args.steps,
+        logging_steps=1,
+        max_grad_norm=1.0,
+    )
+    if kind == "reference":
+        trainer = transformers.Trainer(model=model, args=targs, train_dataset=dataset, data_collator=collator)
+    else:
+        paths = fasttrain.HotPaths(packing=kind == "fasttrain-packed")
+        trainer = fasttrain.Trainer(
+            model=model, args=targs, train_dataset=dataset, data_collator=collator, hot_paths=paths
+        )
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    status = getattr(trainer, "fasttrain_status", {})
+    return seconds, [h["loss"] for h in trainer.state.log_history if "loss" in h], status.get("packing")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--median", type=int, default=180)
+    p.add_argument("--longest", type=int, default=1024)
+    args = p.parse_args()
+    n = args.steps * args.batch
+    dataset, lengths = _dataset(n, args.vocab, args.median, args.longest)
+    tokens = int(lengths.sum())  # the random sampler sees every row once in steps * batch rows
+    kinds = ("reference", "fasttrain-packed", "fasttrain-padded")
+    times = {k: [] for k in kinds}
+    losses, packing = {}, {}
+    for r in range(args.repeats):
+        for kind in kinds:
+            seconds, loss, status = _run(kind, args, dataset, f"/tmp/bench_packing/{kind}-{r}")
+            times[kind].append(seconds)
+            losses[kind], packing[kind] = loss, status
+            print(f"{kind} repeat {r}: {seconds:.1f} s, packing={status}", flush=True)
+    median = {k: statistics.median(v) for k, v in times.items()}
+    diff = {
+        k: max(abs(a - b) for a, b in zip(losses[k], losses["reference"], strict=True)) for k in kinds[1:]
+    }
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python benchmarks/bench_packing.py " + " ".join(sys.argv[1:]),
+        "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs (shared), no GPU",
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "fasttrain": fasttrain.__version__ if hasattr(fasttrain, "__version__") else "dev",
+        },
+        "settings": vars(args),
+        "real_tokens": tokens,
+        "padded_tokens": int(
+            sum(
+                max(lengths[i : i + args.batch]) * len(lengths[i : i + args.batch])
+                for i in range(0, n, args.batch)
+            )
+        ),
+        "seconds": times,
+        "median_seconds": median,
+        "tokens_per_second": {k: tokens / v for k, v in median.items()},
+        "speedup_vs_reference": {k: median["reference"] / v for k, v in median.items()},
+        "packed_vs_fasttrain_padded": median["fasttrain-padded"] / median["fasttrain-packed"],
+        "max_step_loss_diff_vs_reference": diff,
+        "packing_status": packing,
+        "losses": losses,
+    }
+    out = Path(__file__).parent / "results"
+    (out / "packing.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [
+        "# packing: reference padded vs fasttrain packed vs fasttrain padded",
+        "",
+        f"{result['date']}; {result['hardware']}; torch {torch.__version__}, transformers "
+        f"{transformers.__version__}",
+        "",
+        f"`{result['command']}`",
+        "",
+        f"Qwen3-shaped, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, sdpa; {n} examples, "
+        f"log-normal lengths (median {args.median}, 16..{args.longest}), batch {args.batch}, {args.steps} steps, "
+        f"no length grouping; {tokens} real tokens ({result['padded_tokens']} padded)",
+        "",
+        "| run | median s | real tokens/s | vs reference | max per-step loss diff vs reference |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for k in kinds:
+        lines.append(
+            f"| {k} | {median[k]:.1f} | {tokens / median[k]:.0f} | {median['reference'] / median[k]:.2f}x "
+            f"| {diff.get(k, 0.0):.2e} |"
+        )
+    lines += [
+        "",
+        f"packed vs fasttrain padded: {result['packed_vs_fasttrain_padded']:.2f}x; packing status: {packing}",
+        "",
+    ]
+    (out / "packing.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
