@@ -23,8 +23,34 @@ class Trainer(transformers.Trainer):
 
     ``trainer.fasttrain_status`` maps each hot path (optimizer, clip, loss, collator, sampler) to ``"on"`` once it
     has run, or ``"off: <reason>"``; it is settled, and logged in one line, after the first optimizer step.
+
+    ``max_tokens_per_batch`` (keyword only, default None: off) trains on token-budget batches instead of
+    ``per_device_train_batch_size`` examples: each batch holds whole examples whose lengths sum to at most that
+    many tokens (an example longer than that is a batch of its own), so a packed row keeps a stable size.
+    Every example once per epoch, in a random order from ``data_seed`` (else ``seed``) and the epoch, grouped
+    by length if ``train_sampling_strategy="group_by_length"``; under data parallelism each rank gets whole
+    batches, the same number on every rank (see ``fasttrain.TokenBudgetBatchSampler``). It changes which
+    examples share a batch, so it is an opt-in, not a drop-in default; ``fasttrain.patch()`` does not set it.
     """
 
-    def __init__(self, *args: Any, hot_paths: HotPaths | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        hot_paths: HotPaths | None = None,
+        max_tokens_per_batch: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if max_tokens_per_batch is not None:
+            from .data.sampler import _max_tokens
+
+            max_tokens_per_batch = _max_tokens(max_tokens_per_batch)  # ValueError naming it, before any setup
+        self.max_tokens_per_batch = max_tokens_per_batch
         super().__init__(*args, **kwargs)
         integration.apply(self, hot_paths)
+
+    def get_train_dataloader(self) -> Any:
+        if self.max_tokens_per_batch is None:
+            return super().get_train_dataloader()
+        from .data.budget_loader import token_budget_loader
+
+        return token_budget_loader(self, self.max_tokens_per_batch)
