@@ -249,9 +249,15 @@ def test_only_the_training_loader_packs(tmp_path):
     trainer = fasttrain.Trainer(**_trainer(tmp_path))
     assert isinstance(trainer.get_train_dataloader().collate_fn, packing.PackingCollator)
     assert not isinstance(trainer.get_eval_dataloader().collate_fn, packing.PackingCollator)
-    assert (
-        type(trainer.data_collator) is fasttrain.DataCollatorForSeq2Seq
-    )  # restored after the loader is built
+    # the Trainer's own collator is back once the loader is built
+    assert type(trainer.data_collator) is fasttrain.DataCollatorForSeq2Seq
+
+
+def test_packed_batches_from_loader_workers_are_seen(tmp_path):
+    """The packer runs in the worker process: the evidence is the batch type training_step receives."""
+    trainer = fasttrain.Trainer(**_trainer(tmp_path, dataloader_num_workers=1))
+    trainer.train()
+    assert trainer.fasttrain_status["packing"] == "on"
 
 
 @pytest.mark.parametrize(
@@ -260,12 +266,19 @@ def test_only_the_training_loader_packs(tmp_path):
         ({"data_collator": transformers.default_data_collator}, "is not a padding collator fasttrain knows"),
         ({"args": {"include_num_input_tokens_seen": "all"}}, "include_num_input_tokens_seen='all'"),
         ({"args": {"neftune_noise_alpha": 5.0}}, "neftune_noise_alpha"),
+        # the LM collator labels every first token; left padding makes padding predict it
+        ({"left_lm": True}, "every batch stayed padded (example 0: the padded batch scores the label"),
     ],
-    ids=["own-collator", "tokens-seen", "neftune"],
+    ids=["own-collator", "tokens-seen", "neftune", "left-padded-lm"],
 )
 def test_status_says_why_batches_stay_padded(change, reason, tmp_path):
     kwargs = _trainer(tmp_path, **change.get("args", {}))
-    kwargs.update({k: v for k, v in change.items() if k != "args"})
+    kwargs.update({k: v for k, v in change.items() if k not in ("args", "left_lm")})
+    if change.get("left_lm"):
+        tok = tiny.tokenizer(padding_side="left")
+        kwargs["processing_class"] = tok
+        kwargs["data_collator"] = transformers.DataCollatorForLanguageModeling(tok, mlm=False)
+        kwargs["train_dataset"] = tiny.dataset(n=8, min_len=6, max_len=12).select_columns(["input_ids"])
     if kwargs["data_collator"] is transformers.default_data_collator:
         kwargs["train_dataset"] = tiny.dataset(n=8, min_len=10, max_len=10)  # one length: no padding needed
     trainer = fasttrain.Trainer(**kwargs)
