@@ -30,7 +30,7 @@ FLOAT_KINDS = (0, 1, 2)  # kernels/adamw.py DTYPE_CODES: fp32, bf16, fp16
 FLOAT_POINTERS = ("*fp32", "*bf16", "*fp16")  # a logits tensor of each float dtype
 # An int argument equal to 1 is compiled as the constant 1 (Triton specializes it): both are variants.
 INT_OR_ONE = ("i32", 1)
-# cross_entropy.pick_block_v: a power of two from 16 to 4,096; 8 warps from 2,048 up
+# lm_head.pick_block_v: a power of two from 16 to 4,096; 8 warps from 2,048 up
 BLOCK_V = tuple(2**k for k in range(4, 13))
 
 
@@ -105,30 +105,20 @@ KERNELS = [
         {"NORM_INF": BOOL}, lambda m: {"BLOCK_SIZE": m.BLOCK}, lambda v: "NUM_WARPS",
     ),
     KernelSpec(
-        "cross_entropy", "_cross_entropy_chunk_kernel",
-        {**_ROW, "scale_ptr": "*fp32", "scale_stride": "scale_stride", "loss_ptr": "*fp32", "lse_ptr": "*fp32",
-         "n_cols": "i32", "ignore_index": "i32", "label_smoothing": "fp32", "z_loss": "fp32", "softcap": "fp32"},
-        {"logits": FLOAT_POINTERS, "scale_stride": INT_OR_ONE, "HAS_SMOOTHING": BOOL, "HAS_Z_LOSS": BOOL,
-         "HAS_SOFTCAP": BOOL, "COMPUTE_GRAD": BOOL, "BLOCK_V": BLOCK_V},
+        "lm_head", "_row_stats_kernel",
+        {**_ROW, "log_z_ptr": "*fp32", "target_ptr": "*fp32", "sum_z_ptr": "*fp32", "entropy_ptr": "*fp32",
+         "log_sum_sq_ptr": "*fp32", "top1_ptr": "top1", "n_cols": "i32", "ignore_index": "i32",
+         "logit_scale": "fp32", "softcap": "fp32", "inv_t": "fp32"},
+        {"logits": FLOAT_POINTERS, "HAS_SOFTCAP": BOOL, "HAS_SUM": BOOL, "HAS_ENTROPY": BOOL,
+         "HAS_LOG_SUM_SQ": BOOL, "HAS_TOP1": BOOL, "BLOCK_V": BLOCK_V},
         lambda m: {}, block_v_warps,
     ),
     KernelSpec(
-        "token_logprobs", "_token_stats_kernel",
-        {**_ROW, "log_probs_ptr": "*fp32", "log_z_ptr": "*fp32", "entropy_ptr": "*fp32",
-         "log_sum_sq_ptr": "*fp32", "mean_ptr": "*fp32", "top1_ptr": "top1", "scale_ptr": "*fp32", "n_cols": "i32",
+        "lm_head", "_row_grad_kernel",
+        {**_ROW, "log_z_ptr": "*fp32", "entropy_ptr": "*fp32", "coef_ptr": "*fp32", "n_cols": "i32",
          "ignore_index": "i32", "logit_scale": "fp32", "softcap": "fp32", "inv_t": "fp32"},
-        {"logits": FLOAT_POINTERS, "HAS_SOFTCAP": BOOL, "HAS_ENTROPY": BOOL, "HAS_LOG_SUM_SQ": BOOL,
-         "HAS_MEAN": BOOL, "HAS_TOP1": BOOL, "COMPUTE_GRAD": BOOL, "BLOCK_V": BLOCK_V},
+        {"logits": FLOAT_POINTERS, "HAS_SOFTCAP": BOOL, "HAS_ENT_GRAD": BOOL, "BLOCK_V": BLOCK_V},
         lambda m: {}, block_v_warps,
-    ),
-    KernelSpec(
-        "token_logprobs", "_token_grad_kernel",
-        {**_ROW, "log_z_ptr": "*fp32", "entropy_ptr": "*fp32", "g_lp_ptr": "*fp32", "g_ent_ptr": "*fp32",
-         "n_cols": "i32", "ignore_index": "i32", "logit_scale": "fp32", "softcap": "fp32", "inv_t": "fp32"},
-        {"logits": FLOAT_POINTERS, "HAS_SOFTCAP": BOOL, "HAS_LP_GRAD": BOOL, "HAS_ENT_GRAD": BOOL,
-         "BLOCK_V": BLOCK_V},
-        # the backward returns before launching when neither gradient arrived
-        lambda m: {}, block_v_warps, lambda v: v["HAS_LP_GRAD"] or v["HAS_ENT_GRAD"],
     ),
 ]  # fmt: skip
 

@@ -30,13 +30,13 @@ def _brand_new_kernel(x_ptr, n, BLOCK: tl.constexpr):
 def test_the_list_covers_every_entry_point_and_constexpr():
     assert V.uncovered(V.inventory()) == []
     # helpers are compiled inside the kernels that call them, never listed on their own
-    assert "cross_entropy._tanh" not in V.inventory()
+    assert "lm_head._tanh" not in V.inventory()
 
 
 def test_a_kernel_or_constexpr_the_list_lacks_is_reported(tmp_path):
     kernels = tmp_path / "kernels"
     shutil.copytree(V.KERNELS_DIR, kernels)
-    source = kernels / "cross_entropy.py"
+    source = kernels / "lm_head.py"
     text = source.read_text(encoding="utf-8")
     text = text.replace(
         "    BLOCK_V: tl.constexpr,\n):\n    row =",
@@ -45,10 +45,8 @@ def test_a_kernel_or_constexpr_the_list_lacks_is_reported(tmp_path):
     )
     source.write_text(text + NEW_KERNEL, encoding="utf-8")
     problems = V.uncovered(V.inventory(kernels))
-    assert any(p.startswith("cross_entropy._brand_new_kernel:") for p in problems), problems
-    assert any(p.startswith("cross_entropy._cross_entropy_chunk_kernel: constexprs") for p in problems), (
-        problems
-    )
+    assert any(p.startswith("lm_head._brand_new_kernel:") for p in problems), problems
+    assert any(p.startswith("lm_head._row_stats_kernel: constexprs") for p in problems), problems
     assert len(problems) == 2, problems
 
 
@@ -65,7 +63,7 @@ def test_covering_subset_has_every_value_and_pair(spec, strength):
 
 def test_the_listed_values_are_those_the_launchers_pick():
     from fasttrain.kernels import adamw
-    from fasttrain.kernels.cross_entropy import pick_block_v
+    from fasttrain.kernels.lm_head import pick_block_v
 
     vocabularies = [2**k + d for k in range(0, 21) for d in (-1, 0, 1)]
     assert {pick_block_v(v) for v in vocabularies} == set(V.BLOCK_V)

@@ -46,9 +46,13 @@ def _device():
 
 @pytest.mark.parametrize("block_v", [16, 64])
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_several_vocab_blocks(case, block_v):
-    from fasttrain.kernels.cross_entropy import cross_entropy_chunk
+def test_kernel_several_vocab_blocks(case, block_v, monkeypatch):
+    """The cross-entropy's chunk math on the Triton kernels (row_stats, then row_grad in place), forced to
+    several vocab blocks per row."""
+    from fasttrain.kernels import lm_head
+    from fasttrain.loss.function import _CrossEntropyMath
 
+    monkeypatch.setattr(lm_head, "pick_block_v", lambda n_cols: block_v)
     opts, ignore_frac, _ = CASES[case]
     (_, _, _), labels = make_inputs(9, 4, 300, ignore_frac=ignore_frac, seed=5)
     logits = torch.randn(9, 300, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 3
@@ -74,18 +78,11 @@ def test_kernel_several_vocab_blocks(case, block_v):
     truth = torch_chunk(logits.float().double())  # on the exact fp32 values the kernel gets
 
     ours = logits.float().to(_device()).contiguous()
-    loss, lse = cross_entropy_chunk(
-        ours,
-        labels.to(_device()),
-        scale.float().to(_device()),
-        ignore_index=-100,
-        label_smoothing=opts.get("label_smoothing", 0.0),
-        z_loss=opts.get("z_loss", 0.0),
-        softcap=opts.get("softcap"),
-        compute_grad=True,
-        block_v=block_v,
-    )
-    got = (loss.cpu(), lse.cpu(), ours.cpu())
+    full = {"ignore_index": -100, "label_smoothing": 0.0, "z_loss": 0.0, "softcap": None, **opts}
+    math = _CrossEntropyMath(labels.to(_device()), "triton", full, vocab=300)
+    grad = math.forward_chunk(ours, 0, 9, scale.to(_device()), None)
+    assert grad is ours  # in place
+    got = (math.take_outputs()[0].cpu(), math.log_z.cpu(), ours.cpu())
     assert_all_truth(list(zip(("loss", "lse", "grad"), got, ref, truth, strict=True)), **FP32)
     assert torch.all(ours.cpu()[~valid] == 0)
 

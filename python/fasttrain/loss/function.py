@@ -1,8 +1,8 @@
 """``fused_linear_cross_entropy``: cross-entropy of ``hidden @ weight.T (+ bias)`` without the full logits.
 
 The chunking, matmuls, precision and speculation are ``chunked_head``'s; this module plugs the per-chunk
-cross-entropy into it (a Triton kernel, ``fasttrain.kernels.cross_entropy``, or its torch twin,
-``torch_backend``) and reduces the per-token losses. For ``"mean"``/``"sum"`` the upstream gradient of every
+cross-entropy into it (the Triton kernels of ``fasttrain.kernels.lm_head``, or their torch twins,
+``lm_head_torch``) and reduces the per-token losses. For ``"mean"``/``"sum"`` the upstream gradient of every
 scored token is known in the forward (``1/denominator``, or 1), so the forward computes the gradients for it
 (see ``chunked_head``: used only where exact, else recomputed); ``"none"`` always recomputes in backward.
 
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from .._backend import check_backend, resolve_backend
-from . import torch_backend
+from .._backend import check_backend
 from .chunked_head import MIN_CHUNK_ROWS, check_labels, check_operands, default_chunk_rows, run_head
+from .lm_head_torch import HeadTransform, chunk_fns
 
 __all__ = ["MIN_CHUNK_ROWS", "default_chunk_rows", "fused_linear_cross_entropy"]
 
@@ -30,33 +30,48 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 class _CrossEntropyMath:
-    """The per-chunk cross-entropy for ``chunked_head``: one output, the per-token loss (fp32)."""
+    """The per-chunk cross-entropy for ``chunked_head``: one output, the per-token loss (fp32). On the
+    (soft-capped) logits ``s``, with ``eps`` the label smoothing, the formula of ``F.cross_entropy``:
+
+        loss = log_z - (1 - eps) s[y] - eps / V sum(s) + z_loss log_z**2
+        d loss / d s_j = p_j (1 + 2 z_loss log_z) - eps / V - (1 - eps) [j == y]
+    """
 
     n_differentiable = 1
 
-    def __init__(self, labels: torch.Tensor, backend: str, opts: dict[str, Any]) -> None:
-        if resolve_backend(backend, labels.device, "fused_linear_cross_entropy") == "torch":
-            self.chunk_fn = torch_backend.cross_entropy_chunk
-        else:
-            from fasttrain.kernels.cross_entropy import cross_entropy_chunk
-
-            self.chunk_fn = cross_entropy_chunk
-        self.labels, self.opts = labels, opts
-        self.valid = labels != opts["ignore_index"]
-        self.loss: torch.Tensor | None = torch.empty(
-            labels.shape[0], dtype=torch.float32, device=labels.device
-        )
+    def __init__(self, labels: torch.Tensor, backend: str, opts: dict[str, Any], vocab: int) -> None:
+        self.stats_fn, self.grad_fn = chunk_fns(backend, labels.device, "fused_linear_cross_entropy")
+        self.head = HeadTransform(softcap=opts["softcap"], ignore_index=opts["ignore_index"])
+        self.labels, self.vocab = labels, vocab
+        self.eps, self.z_loss = opts["label_smoothing"], opts["z_loss"]
+        self.valid = labels != self.head.ignore_index
+        f32 = {"dtype": torch.float32, "device": labels.device}
+        self.loss: torch.Tensor | None = torch.empty(labels.shape[0], **f32)
+        self.log_z = torch.empty(labels.shape[0], **f32)  # for the backward
 
     def forward_chunk(self, logits, lo, hi, scale, scratch):
+        stats = self.stats_fn(logits, self.labels[lo:hi], self.head, sum_z=self.eps > 0, scratch=scratch)
+        log_z, loss = stats["log_z"], stats["log_z"] - (1.0 - self.eps) * stats["target"]
+        if self.eps:
+            loss = loss - (self.eps / self.vocab) * stats["sum_z"]
+        if self.z_loss:
+            loss = loss + self.z_loss * log_z * log_z
         assert self.loss is not None
-        self.loss[lo:hi], _ = self.chunk_fn(
-            logits, self.labels[lo:hi], scale, compute_grad=scale is not None, **self.opts
-        )
-        return logits if scale is not None else None  # logits now hold scale * d loss / d logits
+        self.loss[lo:hi] = torch.where(self.valid[lo:hi], loss, 0.0)
+        self.log_z[lo:hi] = log_z
+        return None if scale is None else self._grad(logits, lo, hi, scale, scratch)
 
     def backward_chunk(self, logits, lo, hi, upstream, scratch):
-        self.chunk_fn(logits, self.labels[lo:hi], upstream[0][lo:hi], compute_grad=True, **self.opts)
-        return logits
+        return self._grad(logits, lo, hi, upstream[0][lo:hi], scratch)
+
+    def _grad(self, logits, lo, hi, scale, scratch):
+        s = scale.float().expand(hi - lo)
+        log_z = self.log_z[lo:hi]
+        a = s * (1.0 + 2.0 * self.z_loss * log_z) if self.z_loss else s
+        # no smoothing term at all without smoothing: 0 * an inf scale (num_items_in_batch=0) would be NaN
+        smooth = -(self.eps / self.vocab) * s if self.eps else torch.zeros_like(s)
+        coef = torch.stack((a, -(1.0 - self.eps) * s, smooth, torch.zeros_like(s)), dim=1)
+        return self.grad_fn(logits, self.labels[lo:hi], self.head, log_z, coef, scratch=scratch)
 
     def take_outputs(self):
         loss, self.loss = self.loss, None
@@ -152,7 +167,7 @@ def fused_linear_cross_entropy(
     # the upstream gradient each scored token's loss will get from the reduction below (1 / 0 = inf when
     # nothing is counted: the scored rows get torch's non-finite gradients, ignored rows stay exactly zero)
     predicted = None if reduction == "none" else (1.0 if denominator is None else 1.0 / denominator)
-    math = _CrossEntropyMath(labels_1d, backend, opts)
+    math = _CrossEntropyMath(labels_1d, backend, opts, weight.shape[0])
     (per_token,) = run_head(hidden_2d, weight, bias, math, rows, predicted)
     if reduction == "none":
         return per_token.reshape(labels.shape)

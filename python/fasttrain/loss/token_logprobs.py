@@ -3,8 +3,8 @@ without the full logits — TRL's fused LM-head contract (``trl.kernels.ChunkedL
 fasttrain's chunked head.
 
 The chunking, matmuls, precision and speculation are ``chunked_head``'s; this module plugs the per-chunk
-statistics into it: a Triton kernel (``fasttrain.kernels.token_logprobs``) or its torch twin
-(``token_stats_torch``). One pass over each chunk's logits computes every requested per-token output.
+statistics into it: the Triton kernels of ``fasttrain.kernels.lm_head`` or their torch twins
+(``lm_head_torch``). One pass over each chunk's logits computes every requested per-token output.
 
 Gradients. The log-probs (and the entropy) get per-token upstream gradients, known only in backward, so the
 backward recomputes each chunk's logits (4 matmuls in all, like TRL) unless the caller says which upstream
@@ -19,10 +19,9 @@ from typing import NamedTuple
 
 import torch
 
-from .._backend import check_backend, resolve_backend
-from . import token_stats_torch
+from .._backend import check_backend
 from .chunked_head import check_labels, check_operands, default_chunk_rows, run_head
-from .token_stats_torch import HeadTransform
+from .lm_head_torch import HeadTransform, chunk_fns
 
 __all__ = ["OPTIONAL_OUTPUTS", "TokenStats", "fused_token_log_probs"]
 
@@ -40,59 +39,57 @@ class TokenStats(NamedTuple):
 
 
 class _TokenStatsMath:
-    """The per-chunk statistics for ``chunked_head``: outputs log_probs, entropy (both differentiable), then
-    the requested non-differentiable ones."""
+    """The per-chunk statistics for ``chunked_head``: outputs log_probs, entropy (both differentiable), then the
+    requested non-differentiable ones. The gradient for upstreams ``g_lp``, ``g_ent``:
+    ``d/dz_j = g_lp ([j == y] - p_j) - g_ent p_j (log p_j + H)``."""
 
     n_differentiable = 2
 
     def __init__(self, labels: torch.Tensor, head: HeadTransform, outputs: frozenset, backend: str) -> None:
-        if resolve_backend(backend, labels.device, "fused_token_log_probs") == "torch":
-            self.stats_fn, self.grad_fn = (
-                token_stats_torch.token_stats_chunk,
-                token_stats_torch.token_grad_chunk,
-            )
-        else:
-            from fasttrain.kernels.token_logprobs import token_grad_chunk, token_stats_chunk
-
-            self.stats_fn, self.grad_fn = token_stats_chunk, token_grad_chunk
-        self.labels, self.head = labels, head
+        self.stats_fn, self.grad_fn = chunk_fns(backend, labels.device, "fused_token_log_probs")
+        self.labels, self.head, self.outputs = labels, head, outputs
         self.valid = labels != head.ignore_index
-        self.wanted = {name: name in outputs for name in OPTIONAL_OUTPUTS}
         self.parts: dict[str, list[torch.Tensor]] = {}
         self.log_z = self.entropy = None  # for the backward
 
     def forward_chunk(self, logits, lo, hi, scale, scratch):
-        out, grad = self.stats_fn(
-            logits, self.labels[lo:hi], self.head, scale=scale, scratch=scratch, **self.wanted
-        )
-        for name, value in out.items():
-            self.parts.setdefault(name, []).append(value)
-        return grad
+        wanted = {"entropy", "log_sum_sq_probs", "mean_logits", "is_top1"} & self.outputs
+        stats = self.stats_fn(
+            logits, self.labels[lo:hi], self.head, sum_z="mean_logits" in wanted, entropy="entropy" in wanted,
+            log_sum_sq="log_sum_sq_probs" in wanted, top1="is_top1" in wanted, scratch=scratch,
+        )  # fmt: skip
+        stats["log_probs"] = stats["target"] - stats["log_z"]
+        if "mean_logits" in wanted:
+            stats["mean_logits"] = stats["sum_z"] / logits.shape[1]
+        for name in ("log_probs", "log_z", *wanted):
+            self.parts.setdefault(name, []).append(stats[name])
+        if scale is None:
+            return None
+        s = scale.float().expand(hi - lo)
+        coef = torch.stack((-s, s, torch.zeros_like(s), torch.zeros_like(s)), dim=1)
+        return self.grad_fn(logits, self.labels[lo:hi], self.head, stats["log_z"], coef, scratch=scratch)
 
     def backward_chunk(self, logits, lo, hi, upstream, scratch):
-        g_lp, g_ent = (None if g is None else g[lo:hi].float().contiguous() for g in upstream)
-        entropy = None if self.entropy is None else self.entropy[lo:hi]
-        return self.grad_fn(
-            logits, self.labels[lo:hi], self.log_z[lo:hi], entropy, g_lp, g_ent, self.head, scratch
-        )
+        g_lp, g_ent = (None if g is None else g[lo:hi].float() for g in upstream)
+        zero = torch.zeros(hi - lo, dtype=torch.float32, device=logits.device)
+        g_lp = zero if g_lp is None else g_lp
+        coef = torch.stack((-g_lp, g_lp, zero, zero if g_ent is None else g_ent), dim=1)
+        entropy = None if g_ent is None else self.entropy[lo:hi]
+        return self.grad_fn(logits, self.labels[lo:hi], self.head, self.log_z[lo:hi], coef, entropy, scratch)
 
     def take_outputs(self):
-        device = self.labels.device
-        empty = {"is_top1": torch.zeros(0, dtype=torch.bool, device=device)}
-        parts, self.parts = self.parts, {}
-        cat = {
-            name: torch.cat(parts[name])
-            if name in parts
-            else empty.get(name, torch.zeros(0, dtype=torch.float32, device=device))
-            for name in ("log_probs", "log_z", *OPTIONAL_OUTPUTS)
-            if name in ("log_probs", "log_z") or self.wanted[name]
-        }
-        self.log_z = cat["log_z"]
-        if "entropy" in cat:  # a copy: holding the output itself would tie it to autograd in a cycle
-            self.entropy = cat["entropy"].clone()
-        return tuple(
-            cat.get(name, torch.zeros(0, device=device)) for name in ("log_probs", *OPTIONAL_OUTPUTS)
+        def cat(name, dtype=torch.float32):
+            parts = self.parts.get(name)
+            return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=self.labels.device)
+
+        self.log_z = cat("log_z")
+        outputs = tuple(
+            cat(n, torch.bool if n == "is_top1" else torch.float32) for n in ("log_probs", *OPTIONAL_OUTPUTS)
         )
+        self.parts = {}
+        if "entropy" in self.outputs:  # a copy: holding the output itself would tie it to autograd in a cycle
+            self.entropy = outputs[1].clone()
+        return outputs
 
 
 def _validate(hidden, weight, bias, labels, temperature, softcap, outputs, backend) -> None:

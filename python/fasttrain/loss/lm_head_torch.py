@@ -1,0 +1,134 @@
+"""PyTorch twin of the chunked LM head's per-chunk math: the same contract as the Triton kernels in
+``fasttrain.kernels.lm_head`` (used on CPU and wherever Triton is unavailable).
+
+A chunk is ``logits [rows, V]`` (the compute dtype, the raw ``hidden @ weight.T (+ bias)``); it is read, never
+written, by ``row_stats``, and receives the gradient from ``row_grad``. The head transform is TRL's:
+``z = softcap * tanh(logit_scale * logits / softcap) / temperature`` (softcap optional; the cross-entropy uses
+the softcap alone). Per row, in fp32:
+
+    log_z = logsumexp(z)        target = z[label]         sum_z = sum_j z_j
+    entropy = log_z - sum_j p_j z_j     log_sum_sq_probs = log(sum_j p_j**2)    is_top1 = label is the first argmax
+
+and the gradient, for per-row coefficients ``coef = [a, c, d, g_ent]`` chosen by each head (the cross-entropy,
+log-prob and entropy gradients all have this form):
+
+    d/dz_j = a p_j + c [j == label] + d - g_ent p_j (log p_j + entropy)
+
+then times ``d z / d logits = logit_scale / temperature * (1 - tanh**2)``, computed in fp32 and rounded once to
+the logits' dtype. Rows whose label is ``ignore_index`` get zeros (statistics and gradient). Temporaries are
+chunk-sized, taken from ``scratch`` (reused from chunk to chunk) when one is given.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .chunked_head import Scratch
+
+__all__ = ["HeadTransform", "row_grad", "row_stats"]
+
+
+class HeadTransform:
+    """TRL's logit transform (scale, optional softcap, temperature) and the ignored label."""
+
+    __slots__ = ("ignore_index", "inv_temperature", "logit_scale", "softcap")
+
+    def __init__(self, temperature=1.0, logit_scale=1.0, softcap=None, ignore_index=-100) -> None:
+        self.inv_temperature = 1.0 / float(temperature)
+        self.logit_scale = float(logit_scale)
+        self.softcap = None if softcap is None else float(softcap)
+        self.ignore_index = int(ignore_index)
+
+
+def _buffer(scratch: Scratch | None, name: str, like: torch.Tensor) -> torch.Tensor:
+    if scratch is None:
+        return torch.empty(like.shape, dtype=torch.float32, device=like.device)
+    return scratch.take(name, (like.shape[0], like.shape[1]), torch.float32, like.device)
+
+
+def _transform(logits, head: HeadTransform, scratch, keep_tanh: bool):
+    """(z fp32 in a scratch buffer, tanh in another or None); ``logits`` stays as it is."""
+    z = _buffer(scratch, "z", logits).copy_(logits)
+    if head.logit_scale != 1.0:
+        z.mul_(head.logit_scale)
+    tanh = None
+    if head.softcap is not None:
+        z.div_(head.softcap).tanh_()
+        if keep_tanh:
+            tanh = torch.clone(z) if scratch is None else _buffer(scratch, "tanh", z).copy_(z)
+        z.mul_(head.softcap)
+    if head.inv_temperature != 1.0:
+        z.mul_(head.inv_temperature)
+    return z, tanh
+
+
+def _row_dot(a, b, scratch) -> torch.Tensor:
+    """Row-wise dot products through torch's sum (cascade summation): a bmm dot product accumulates the vocabulary
+    in one running fp32 sum, 19.7x farther from float64 than torch's sum at vocab 70,001."""
+    return torch.mul(a, b, out=_buffer(scratch, "product", a)).sum(dim=-1)
+
+
+def row_stats(
+    logits, labels, head, *, sum_z=False, entropy=False, log_sum_sq=False, top1=False, scratch=None
+):
+    """{"log_z", "target", and the requested "sum_z", "entropy", "log_sum_sq_probs", "is_top1"}, each [rows]."""
+    z, _ = _transform(logits, head, scratch, keep_tanh=False)
+    valid = labels != head.ignore_index
+    safe = torch.where(valid, labels, 0).unsqueeze(1)
+    out = {"target": z.gather(1, safe).squeeze(1)}
+    if sum_z:
+        out["sum_z"] = z.sum(dim=-1)
+    if top1:
+        row_max, first_argmax = z.max(dim=-1)  # the first maximal index, as TRL's kernel counts a tie
+        out["is_top1"] = (first_argmax == labels) & valid
+    else:
+        row_max = z.amax(dim=-1)
+    shifted = z.sub_(row_max.unsqueeze(1))
+    exp = torch.exp(shifted, out=_buffer(scratch, "exp", shifted))
+    sum_exp = exp.sum(dim=-1)
+    log_sum = sum_exp.log()
+    out["log_z"] = row_max + log_sum
+    if entropy:  # log_z - sum p z = log(sum e) - sum e (z - max) / sum e
+        out["entropy"] = log_sum - _row_dot(exp, shifted, scratch) / sum_exp
+    if log_sum_sq:
+        out["log_sum_sq_probs"] = _row_dot(exp, exp, scratch).log() - 2.0 * log_sum
+    zero = sum_exp.new_zeros(())
+    return {k: v if k == "is_top1" else torch.where(valid, v, zero) for k, v in out.items()}
+
+
+def row_grad(logits, labels, head, log_z, coef, entropy=None, scratch=None):
+    """The gradient with respect to ``logits`` for per-row ``coef [rows, 4] = [a, c, d, g_ent]`` (see the module
+    docstring; ``entropy`` is needed where ``g_ent`` is), written into ``logits`` and returned."""
+    z, tanh = _transform(logits, head, scratch, keep_tanh=True)
+    valid = labels != head.ignore_index
+    a, c, d, g_ent = (x.unsqueeze(1) for x in coef.unbind(1))
+    log_p = z.sub_(log_z.unsqueeze(1))
+    if entropy is not None:
+        p = torch.exp(log_p, out=_buffer(scratch, "exp", log_p))
+        grad = p.mul_(
+            log_p.add_(entropy.unsqueeze(1)).mul_(g_ent).sub_(a)
+        ).neg_()  # a p - g_ent p (log p + H)
+    else:
+        grad = log_p.exp_().mul_(a)
+    grad.add_(d).scatter_add_(1, torch.where(valid, labels, 0).unsqueeze(1), c)
+    if tanh is not None:
+        grad.mul_(tanh.mul_(tanh).neg_().add_(1.0))
+    factor = head.logit_scale * head.inv_temperature
+    if factor != 1.0:
+        grad.mul_(factor)
+    grad.masked_fill_(
+        ~valid.unsqueeze(1), 0.0
+    )  # not a product: an inf or NaN coefficient stays off these rows
+    return logits.copy_(grad)
+
+
+def chunk_fns(backend: str, device: torch.device, what: str):
+    """(row_stats, row_grad) for ``backend`` on ``device``: the Triton kernels or this module's twins."""
+    from .._backend import resolve_backend
+
+    if resolve_backend(backend, device, what) == "torch":
+        return row_stats, row_grad
+    from fasttrain.kernels.lm_head import row_grad as triton_grad
+    from fasttrain.kernels.lm_head import row_stats as triton_stats
+
+    return triton_stats, triton_grad
