@@ -25,6 +25,7 @@ Runs, one after the other in the same processes (one launch):
 - ``fasttrain``: the same float32 script under ``fasttrain.patch()``;
 - ``fasttrain-8bit``: ``fasttrain`` with ``optim_args="state_dtype=8bit"``;
 - ``fasttrain-offload`` / ``reference-offload``: FSDP2's CPU offload policy (``fsdp_config={"cpu_offload": True}``);
+- ``truth-tied``, ``reference-tied``, ``fasttrain-tied``: the first three with lm_head tied to the embedding;
 - ``fasttrain-save`` / ``fasttrain-resume``: sharded checkpoints (SHARDED_STATE_DICT) at step SAVE_STEP, then
   resumed from it.
 
@@ -55,7 +56,14 @@ SAVE_STEP = 4  # the -save runs checkpoint here; the -resume runs resume from it
 
 
 def _run(
-    patched=True, dtype=torch.float32, optim_args=None, save=False, resume=False, offload=False, hybrid=False
+    patched=True,
+    dtype=torch.float32,
+    optim_args=None,
+    save=False,
+    resume=False,
+    offload=False,
+    hybrid=False,
+    tied=False,
 ):
     return dict(
         patched=patched,
@@ -65,6 +73,7 @@ def _run(
         resume=resume,
         offload=offload,
         hybrid=hybrid,
+        tied=tied,
     )
 
 
@@ -77,6 +86,10 @@ RUNS = {
     "fasttrain-offload": _run(offload=True),
     "fasttrain-save": _run(save=True),
     "fasttrain-resume": _run(resume=True),  # after fasttrain-save, in the same launch
+    # lm_head tied to the input embedding: Accelerate puts the embedding, final norm and lm_head in one unit
+    "truth-tied": _run(patched=False, dtype=torch.float64, tied=True),
+    "reference-tied": _run(patched=False, tied=True),
+    "fasttrain-tied": _run(tied=True),
     # hybrid sharding (HSDP): a 2-D mesh, replicated over pairs of ranks, sharded within each (4 processes)
     "truth-hybrid": _run(patched=False, dtype=torch.float64, hybrid=True),
     "reference-hybrid": _run(patched=False, hybrid=True),
@@ -122,19 +135,20 @@ class UnshardCounter:
         self.by_group: dict[str, int] = {}
         self._original = None
 
-    def install(self, model: torch.nn.Module) -> None:
+    def install(self, model: torch.nn.Module, weight_name: str) -> None:
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-        weight_names = {"lm_head.weight"}
         counter = self
         original = FSDPParamGroup.unshard
         self._original = original
 
         def unshard(group, *args, **kwargs):
             if group.is_sharded:
-                key = ",".join(n for n in _fqns(group) if n in weight_names or n.endswith("norm.weight"))
+                key = ",".join(
+                    n for n in _fqns(group) if n.endswith(("norm.weight", "head.weight", "tokens.weight"))
+                )
                 counter.by_group[key] = counter.by_group.get(key, 0) + 1
-            if group.is_sharded and any(fqn_tail in weight_names for fqn_tail in _fqns(group)):
+            if group.is_sharded and weight_name in _fqns(group):
                 counter.unshards += 1
             return original(group, *args, **kwargs)
 
@@ -181,12 +195,17 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
     AcceleratorState._reset_state(reset_partial_state=False)  # each run gets its own FSDP plugin
     # the previous run's AcceleratorState wrote FSDP into the process state it shares: label it again
     PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
-    model = tiny.model("qwen3").to(dtype)  # the same float32 init in every run; the truth is its float64 copy
+    model = tiny.model("qwen3")
+    if spec["tied"]:
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+    model = model.to(dtype)  # the same float32 init in every run; the truth is its float64 copy
     initial_checksum = sum(p.detach().double().sum().item() for p in model.parameters())
     lm_head_calls = [0]
     model.lm_head.register_forward_hook(lambda *_: lm_head_calls.__setitem__(0, lm_head_calls[0] + 1))
     counter = UnshardCounter()
-    counter.install(model)
+    # a tied weight is named once, by its first owner (the embedding)
+    counter.install(model, "model.embed_tokens.weight" if spec["tied"] else "lm_head.weight")
     tok = tiny.tokenizer()
     fsdp_config = {
         "version": 2,
@@ -233,6 +252,7 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
     params = [p for group in inner.param_groups for p in group["params"]]
     return {
         "initial_checksum": initial_checksum,
+        "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
         "logs": tiny.step_logs(trainer),
         "rows_by_epoch": trainer.rows_by_epoch,
         "status": dict(getattr(trainer, "fasttrain_status", {})),

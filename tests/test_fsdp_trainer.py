@@ -45,6 +45,9 @@ LAUNCHES = {
             "fasttrain-offload",
             "fasttrain-save",
             "fasttrain-resume",
+            "truth-tied",
+            "reference-tied",
+            "fasttrain-tied",
             "probe-no-cpu",
             "probe-use-cpu",
         ],
@@ -62,6 +65,7 @@ FLOOR = 16 * 2.0**-23
 BASELINES = {
     "fasttrain": ("truth", "reference", "full"),
     "fasttrain-offload": ("truth", "reference-offload", "full"),
+    "fasttrain-tied": ("truth-tied", "reference-tied", "full"),
     "fasttrain-hybrid": ("truth-hybrid", "reference-hybrid", "hybrid"),
 }
 HOT_PATHS = ("optimizer", "clip", "loss", "collator", "sampler")
@@ -168,8 +172,13 @@ def test_runs_are_fsdp2_on_a_cpu_mesh(launched, layout):
                 ]
             else:
                 assert r["mesh"]["shape"] == [procs] and r["mesh"]["placements"] == ["S(0)"], r["mesh"]
-    # every run started from the same weights
-    assert len({r["initial_checksum"] for results in trained.values() for r in results}) == 1
+    # every run started from the same weights (the tied runs from theirs)
+    for tied in (False, True):
+        checksums = {
+            r["initial_checksum"] for results in trained.values() for r in results if r["tied"] is tied
+        }
+        assert len(checksums) <= 1, checksums
+    assert all(r["tied"] == name.endswith("-tied") for name, results in trained.items() for r in results)
 
 
 @pytest.mark.parametrize("run", ["reference", "fasttrain", "fasttrain-offload", "fasttrain-hybrid"])
@@ -201,7 +210,9 @@ def test_loss_and_grad_norm_as_close_to_float64_as_the_reference(launched, run):
     assert all(r["logs"] == runs[run][0]["logs"] for r in runs[run])
 
 
-@pytest.mark.parametrize("run", ["fasttrain", "fasttrain-offload", "fasttrain-hybrid", "fasttrain-resume"])
+@pytest.mark.parametrize(
+    "run", ["fasttrain", "fasttrain-offload", "fasttrain-tied", "fasttrain-hybrid", "fasttrain-resume"]
+)
 def test_status_tells_the_truth(launched, run):
     runs = launched(_layout(run))
     ours = _trained(runs[run])[0]
@@ -214,7 +225,7 @@ def test_status_tells_the_truth(launched, run):
     steps = STEPS - SAVE_STEP if run.endswith("-resume") else STEPS
     assert ours["deferred_clips_applied"] == steps
     # loss "on": lm_head was never called, the reference called it at every forward; lm_head's FSDP2 unit was
-    # all-gathered once per forward (by the backbone's final norm), not once per chunk of the loss
+    # all-gathered once per forward (by the backbone's final norm, or tied, its embedding), not once per chunk
     assert ours["lm_head_calls"] == 0 < ref["lm_head_calls"]
     assert ours["head_unshards"] == ours["forwards"] > 0
     assert ref["head_unshards"] == ref["forwards"]
