@@ -18,7 +18,6 @@ RTOL = 1e-4
 ABS_FLOOR = 1e-6
 
 
-
 def test_sft_rows_mask_the_prompt_only():
     examples = [list(range(2, 2 + n)) for n in (2, 5, 16, 40)]
     rows = trl_runs.sft_rows(examples, seed=0)
