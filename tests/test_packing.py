@@ -285,3 +285,20 @@ def test_status_says_why_batches_stay_padded(change, reason, tmp_path):
     trainer.train()
     status = trainer.fasttrain_status["packing"]
     assert status.startswith("off: ") and reason in status, status
+
+
+def test_cost_keeps_near_equal_lengths_padded_under_a_dense_mask():
+    """sdpa/eager attend over the packed row's dense [T, T] mask: B equal rows would cost B times the padded
+    attention for no token saved. Flash attention and flex skip the pairs between examples."""
+    config = tiny.model("llama").config
+    dense, varlen = packing.PackingCost(config, "sdpa"), packing.PackingCost(config, "flash_attention_2")
+    equal = np.array([30, 30, 29, 30])
+    assert not dense.worth_it(4, 30, equal) and varlen.worth_it(4, 30, equal)
+    skewed = np.array([40, 3, 4, 2])  # most of the padded batch is padding
+    assert dense.worth_it(4, 40, skewed) and varlen.worth_it(4, 40, skewed)
+    # the packer keeps such a batch padded for cost (not logged as a fallback) and packs the next one
+    collator = fasttrain.DataCollatorForSeq2Seq(tiny.tokenizer(), padding=True)
+    packer = packing.PackingCollator(collator, flash=False, cost=dense)
+    assert not isinstance(packer([dict(e) for e in _examples(equal.tolist())]), packing.PackedBatch)
+    assert packer.last_refusal_for_cost
+    assert isinstance(packer([dict(e) for e in _examples(skewed.tolist())]), packing.PackedBatch)

@@ -3,7 +3,8 @@
 Detectors watch what ran during a short training: the optimizer's class; calls of ``Accelerator.clip_grad_norm_``
 (the reference clip); calls of the ``lm_head`` module (the logits the fused loss never makes); calls of the
 transformers collator's ``__call__``; iterations of transformers' ``LengthGroupedSampler``; training forwards of
-a padded batch (more than one row: packing makes one). Each is checked with
+a packed batch (one row, no attention mask; with sdpa a batch packs where that costs no more attention, so a run
+may mix packed and padded batches). Each is checked with
 every path on and with each path switched off alone, through ``HotPaths`` and through ``FASTTRAIN_DISABLE``,
 under ``fasttrain.Trainer`` and under ``fasttrain.patch()``, and for a plain Trainer after ``unpatch()``.
 """
@@ -66,12 +67,12 @@ def _train(make_trainer, seen, tmp_path):
     model = tiny.model("llama")
     model.lm_head.register_forward_hook(lambda *_: seen.update(["lm_head"]))
 
-    def padded_forward(module, args, kwargs):
+    def packed_forward(module, args, kwargs):
         ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-        if module.training and (ids.shape[0] > 1 or "attention_mask" in kwargs):
-            seen.update(["padded_forward"])
+        if module.training and ids.shape[0] == 1 and kwargs.get("attention_mask") is None:
+            seen.update(["packed_forward"])
 
-    model.register_forward_pre_hook(padded_forward, with_kwargs=True)
+    model.register_forward_pre_hook(packed_forward, with_kwargs=True)
     trainer = make_trainer(
         model=model,
         args=tiny.training_args(str(tmp_path), max_steps=2, train_sampling_strategy="group_by_length"),
@@ -94,7 +95,7 @@ def _what_ran(trainer, seen) -> dict[str, bool]:
         "loss": seen["lm_head"] == 0,
         "collator": seen["collator"] == 0 and type(trainer.data_collator).__module__.startswith("fasttrain."),
         "sampler": seen["sampler"] == 0,
-        "packing": seen["padded_forward"] == 0,
+        "packing": seen["packed_forward"] > 0,
     }
 
 

@@ -182,7 +182,9 @@ def _settle(seam: _Seam, optimizer: Any) -> None:
         if seam.packed_steps:
             status["packing"] = "on"
         elif seam.packer is not None and seam.packer.last_refusal is not None:
-            seam.off("packing", f"every batch stayed padded ({seam.packer.last_refusal})")
+            packer = seam.packer  # packing cheaper batches only is a choice, not a fallback
+            reason = f"every batch stayed padded ({packer.last_refusal})"
+            seam.off("packing", reason, fallback=not packer.last_refusal_for_cost)
         else:
             seam.off("packing", "no packed batch reached training_step")
     seam.logged = True
@@ -256,7 +258,7 @@ def _packing_problem(trainer: Any) -> str | None:
 def _train_dataloader(trainer: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """The training loader, its collator wrapped by the packer for as long as the loader is built (its
     ``collate_fn`` keeps the packer; evaluation loaders read ``trainer.data_collator`` and stay padded)."""
-    from .data.packing import FLASH_ATTENTION, PackingCollator
+    from .data.packing import FLASH_ATTENTION, PackingCollator, PackingCost
 
     seam = seam_of(trainer)
     problem = _packing_problem(trainer)
@@ -265,7 +267,8 @@ def _train_dataloader(trainer: Any, original: Callable[..., Any], *args: Any, **
         return original(*args, **kwargs)
     collator = trainer.data_collator
     attention = getattr(trainer.model.config, "_attn_implementation", None)
-    seam.packer = PackingCollator(collator, flash=attention in FLASH_ATTENTION)
+    cost = PackingCost(trainer.model.config, attention)
+    seam.packer = PackingCollator(collator, flash=attention in FLASH_ATTENTION, cost=cost)
     if not seam.logged:
         seam.status["packing"] = NOT_RUN  # an earlier loader may have said off
     trainer.data_collator = seam.packer

@@ -21,6 +21,12 @@ block-diagonal mask from ``position_ids`` when no ``attention_mask`` is passed a
 families verified by tests/test_packing_models.py pack (``EXACT_FAMILIES``); rope scalings that depend on the
 sequence length (dynamic, longrope) see another length in a packed row, so they stay padded.
 
+One packed row is not always cheaper: sdpa and eager attend over a dense ``[T, T]`` mask, so a row of ``T`` tokens
+costs ``T**2`` attention pairs where the padded batch costs ``rows * width**2`` (flash attention and flex skip the
+pairs between examples: ``sum(length**2)``). ``PackingCost`` weighs tokens against pairs in the model's own
+flops, and a batch packs only when they do not rise: a batch of near-equal lengths (``group_by_length``, token
+budgets) stays padded under sdpa and eager, a choice for speed, not a fallback.
+
 Under TRL the packed batch is TRL's own padding-free batch (``padding_free=True``: ``seq_idx`` too, the same
 ``cu_seq_lens`` tensor under both names); TRL's ``compute_loss`` passes ``use_cache=False`` itself.
 """
@@ -43,6 +49,7 @@ __all__ = [
     "EXACT_FAMILIES",
     "PackedBatch",
     "PackingCollator",
+    "PackingCost",
     "collator_problem",
     "model_problem",
     "pack",
@@ -158,18 +165,50 @@ def _numpy(value: Any, key: str, batch_shape: tuple[int, ...] | None) -> np.ndar
 class _Refused(Exception):
     """This batch stays padded (the message says why)."""
 
+    def __init__(self, message: str, for_cost: bool = False) -> None:
+        super().__init__(message)
+        self.for_cost = for_cost
+
+
+class PackingCost:
+    """What a token and an attention pair cost in a model's forward, in matmul flops: per token the projections,
+    the MLP and the LM head; per attention pair QK^T and PV over every head and layer. Only compared with
+    itself: a packed row must not cost more than the padded batch it replaces. (Memory follows the same terms;
+    the bytes an attention pair keeps depend on the kernel: none per head in flash and memory-efficient sdpa.)"""
+
+    def __init__(self, config: Any, attention: str | None) -> None:
+        text = getattr(config, "get_text_config", lambda: config)()
+        hidden = int(text.hidden_size)
+        layers = int(text.num_hidden_layers)
+        heads = int(text.num_attention_heads)
+        head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        inner = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+        layer_params = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inner
+        self.token_flops = 2 * (layers * layer_params + hidden * int(text.vocab_size))
+        self.pair_flops = 4 * heads * head_dim * layers
+        self.dense = attention not in FLASH_ATTENTION and attention != "flex_attention"
+
+    def worth_it(self, rows: int, width: int, lengths: np.ndarray) -> bool:
+        tokens = int(lengths.sum())
+        pairs = tokens * tokens if self.dense else int((lengths * lengths).sum())
+        padded_pairs = rows * width * width
+        packed = tokens * self.token_flops + pairs * self.pair_flops
+        return packed <= rows * width * self.token_flops + padded_pairs * self.pair_flops
+
 
 def pack(
-    batch: Any, *, flash: bool, trl_pad_id: int | None = None
-) -> tuple[dict[str, Any] | None, str | None]:
-    """(the packed batch, None) or (None, why the padded ``batch`` must stay as it is)."""
+    batch: Any, *, flash: bool, trl_pad_id: int | None = None, cost: PackingCost | None = None
+) -> tuple[dict[str, Any] | None, _Refused | None]:
+    """(the packed batch, None) or (None, why the padded ``batch`` stays as it is). ``cost``: pack only where the
+    packed row costs no more than the padded batch (None: always)."""
     try:
-        return _pack(batch, flash=flash, trl_pad_id=trl_pad_id), None
+        return _pack(batch, flash=flash, trl_pad_id=trl_pad_id, cost=cost), None
     except _Refused as why:
-        return None, str(why)
+        return None, why
 
 
-def _pack(batch: Any, *, flash: bool, trl_pad_id: int | None) -> dict[str, Any]:
+def _pack(batch: Any, *, flash: bool, trl_pad_id: int | None, cost: PackingCost | None) -> dict[str, Any]:
     extra = sorted(set(batch) - _PACKABLE_KEYS)
     if extra:
         raise _Refused(f"the batch has {extra}, which a packed row cannot carry")
@@ -185,6 +224,9 @@ def _pack(batch: Any, *, flash: bool, trl_pad_id: int | None) -> dict[str, Any]:
         raise _Refused(refusal)
     if len(lengths) == 0:
         raise _Refused("every example is empty")
+    if cost is not None and not cost.worth_it(shape[0], shape[1], lengths):
+        # one reason for every such batch (the status line quotes the last one)
+        raise _Refused("a packed row's dense attention costs more than the padding it saves", for_cost=True)
     given = batch.get("position_ids")
     if given is not None:
         # packed documents (position_ids restarting inside an example) attend to each other in the padded batch
@@ -222,13 +264,15 @@ class PackingCollator:
     with ``padding_free=True`` the collator already packs: its batches are passed through, marked packed.
     """
 
-    def __init__(self, padded: Any, *, flash: bool) -> None:
+    def __init__(self, padded: Any, *, flash: bool, cost: PackingCost | None = None) -> None:
         self.padded = padded
         self.flash = flash
+        self.cost = cost
         self.trl = collator_kind(padded) == "trl"
         self.packed_batches = 0
         self.padded_batches = 0
         self.last_refusal: str | None = None
+        self.last_refusal_for_cost = False
 
     def __call__(self, features: Any, *args: Any, **kwargs: Any) -> Any:
         batch = self.padded(features, *args, **kwargs)
@@ -236,11 +280,12 @@ class PackingCollator:
             self.packed_batches += 1
             return PackedBatch(batch)
         trl_pad_id = self.padded.pad_token_id if self.trl else None
-        packed, refusal = pack(batch, flash=self.flash, trl_pad_id=trl_pad_id)
+        packed, refusal = pack(batch, flash=self.flash, trl_pad_id=trl_pad_id, cost=self.cost)
         if packed is None:
             self.padded_batches += 1
-            self.last_refusal = refusal
-            log_once(f"packing-refused:{refusal}", f"fasttrain packing: a batch stays padded ({refusal})")
+            self.last_refusal, self.last_refusal_for_cost = str(refusal), refusal.for_cost
+            if not refusal.for_cost:  # a cost decision is per batch and expected: not worth a line each
+                log_once(f"packing-refused:{refusal}", f"fasttrain packing: a batch stays padded ({refusal})")
             return batch
         self.packed_batches += 1
         return PackedBatch(packed)
