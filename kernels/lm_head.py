@@ -219,13 +219,17 @@ def row_stats(
     return out
 
 
-def row_grad(logits, labels, head, log_z, coef, entropy=None, scratch=None, *, block_v=None):
+def row_grad(
+    logits, labels, head, log_z, a, c, d=None, g_ent=None, entropy=None, scratch=None, *, block_v=None
+):
     """Triton twin of ``fasttrain.loss.lm_head_torch.row_grad``: the gradient, in place."""
     transform, launch = _launch_args(logits, labels, head, block_v)
     if logits.shape[0]:
+        zero = torch.zeros_like(a)
+        coef = torch.stack((a, c, zero if d is None else d, zero if g_ent is None else g_ent), dim=1).float()
         _row_grad_kernel[(logits.shape[0],)](
             logits, logits.stride(0), labels.contiguous(), log_z.contiguous(),
-            log_z if entropy is None else entropy.contiguous(), coef.float().contiguous(), *transform,
-            HAS_SOFTCAP=head.softcap is not None, HAS_ENT_GRAD=entropy is not None, **launch,
+            log_z if entropy is None else entropy.contiguous(), coef.contiguous(), *transform,
+            HAS_SOFTCAP=head.softcap is not None, HAS_ENT_GRAD=g_ent is not None, **launch,
         )  # fmt: skip
     return logits

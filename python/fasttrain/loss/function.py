@@ -68,10 +68,9 @@ class _CrossEntropyMath:
         s = scale.float().expand(hi - lo)
         log_z = self.log_z[lo:hi]
         a = s * (1.0 + 2.0 * self.z_loss * log_z) if self.z_loss else s
-        # no smoothing term at all without smoothing: 0 * an inf scale (num_items_in_batch=0) would be NaN
-        smooth = -(self.eps / self.vocab) * s if self.eps else torch.zeros_like(s)
-        coef = torch.stack((a, -(1.0 - self.eps) * s, smooth, torch.zeros_like(s)), dim=1)
-        return self.grad_fn(logits, self.labels[lo:hi], self.head, log_z, coef, scratch=scratch)
+        smooth = -(self.eps / self.vocab) * s if self.eps else None  # None: no 0 * an inf scale (NaN)
+        c = -(1.0 - self.eps) * s
+        return self.grad_fn(logits, self.labels[lo:hi], self.head, log_z, a, c, smooth, scratch=scratch)
 
     def take_outputs(self):
         loss, self.loss = self.loss, None

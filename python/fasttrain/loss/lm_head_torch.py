@@ -9,8 +9,8 @@ the softcap alone). Per row, in fp32:
     log_z = logsumexp(z)        target = z[label]         sum_z = sum_j z_j
     entropy = log_z - sum_j p_j z_j     log_sum_sq_probs = log(sum_j p_j**2)    is_top1 = label is the first argmax
 
-and the gradient, for per-row coefficients ``coef = [a, c, d, g_ent]`` chosen by each head (the cross-entropy,
-log-prob and entropy gradients all have this form):
+and the gradient, for per-row coefficients ``a, c, d, g_ent`` chosen by each head (the cross-entropy, log-prob
+and entropy gradients all have this form):
 
     d/dz_j = a p_j + c [j == label] + d - g_ent p_j (log p_j + entropy)
 
@@ -47,7 +47,10 @@ def _buffer(scratch: Scratch | None, name: str, like: torch.Tensor) -> torch.Ten
 
 
 def _transform(logits, head: HeadTransform, scratch, keep_tanh: bool):
-    """(z fp32 in a scratch buffer, tanh in another or None); ``logits`` stays as it is."""
+    """(z, tanh or None): ``logits`` itself (only read) where the transform is the identity, the common case,
+    else an fp32 buffer; ``logits`` stays as it is."""
+    if head.logit_scale == 1.0 and head.softcap is None and head.inv_temperature == 1.0:
+        return logits, None
     z = _buffer(scratch, "z", logits).copy_(logits)
     if head.logit_scale != 1.0:
         z.mul_(head.logit_scale)
@@ -55,11 +58,16 @@ def _transform(logits, head: HeadTransform, scratch, keep_tanh: bool):
     if head.softcap is not None:
         z.div_(head.softcap).tanh_()
         if keep_tanh:
-            tanh = torch.clone(z) if scratch is None else _buffer(scratch, "tanh", z).copy_(z)
+            tanh = _buffer(scratch, "tanh", z).copy_(z)
         z.mul_(head.softcap)
     if head.inv_temperature != 1.0:
         z.mul_(head.inv_temperature)
     return z, tanh
+
+
+def _minus(z, logits, row_value, out):
+    """``z - row_value`` (fp32): in place in a buffer of ours, else into ``out``."""
+    return torch.sub(z, row_value.unsqueeze(1), out=out) if z is logits else z.sub_(row_value.unsqueeze(1))
 
 
 def _row_dot(a, b, scratch) -> torch.Tensor:
@@ -75,16 +83,17 @@ def row_stats(
     z, _ = _transform(logits, head, scratch, keep_tanh=False)
     valid = labels != head.ignore_index
     safe = torch.where(valid, labels, 0).unsqueeze(1)
-    out = {"target": z.gather(1, safe).squeeze(1)}
+    out = {"target": z.gather(1, safe).squeeze(1).float()}
     if sum_z:
-        out["sum_z"] = z.sum(dim=-1)
+        out["sum_z"] = z.sum(dim=-1, dtype=torch.float32)
     if top1:
         row_max, first_argmax = z.max(dim=-1)  # the first maximal index, as TRL's kernel counts a tie
         out["is_top1"] = (first_argmax == labels) & valid
     else:
         row_max = z.amax(dim=-1)
-    shifted = z.sub_(row_max.unsqueeze(1))
-    exp = torch.exp(shifted, out=_buffer(scratch, "exp", shifted))
+    row_max = row_max.float()
+    shifted = _minus(z, logits, row_max, _buffer(scratch, "shifted", logits))
+    exp = torch.exp(shifted, out=_buffer(scratch, "exp", shifted)) if entropy else shifted.exp_()
     sum_exp = exp.sum(dim=-1)
     log_sum = sum_exp.log()
     out["log_z"] = row_max + log_sum
@@ -96,30 +105,29 @@ def row_stats(
     return {k: v if k == "is_top1" else torch.where(valid, v, zero) for k, v in out.items()}
 
 
-def row_grad(logits, labels, head, log_z, coef, entropy=None, scratch=None):
-    """The gradient with respect to ``logits`` for per-row ``coef [rows, 4] = [a, c, d, g_ent]`` (see the module
-    docstring; ``entropy`` is needed where ``g_ent`` is), written into ``logits`` and returned."""
+def row_grad(logits, labels, head, log_z, a, c, d=None, g_ent=None, entropy=None, scratch=None):
+    """The gradient with respect to ``logits`` for the per-row coefficients ``a``, ``c`` and, where not None,
+    ``d`` and ``g_ent`` (with ``entropy``) of the module docstring, written into ``logits`` and returned."""
     z, tanh = _transform(logits, head, scratch, keep_tanh=True)
     valid = labels != head.ignore_index
-    a, c, d, g_ent = (x.unsqueeze(1) for x in coef.unbind(1))
-    log_p = z.sub_(log_z.unsqueeze(1))
-    if entropy is not None:
+    in_place = z is logits and logits.dtype == torch.float32  # fp32 logits take the gradient directly
+    log_p = _minus(z, logits, log_z, logits if in_place else _buffer(scratch, "shifted", logits))
+    if g_ent is not None:
         p = torch.exp(log_p, out=_buffer(scratch, "exp", log_p))
-        grad = p.mul_(
-            log_p.add_(entropy.unsqueeze(1)).mul_(g_ent).sub_(a)
-        ).neg_()  # a p - g_ent p (log p + H)
+        grad = p.mul_(log_p.add_(entropy.unsqueeze(1)).mul_(g_ent.unsqueeze(1)).sub_(a.unsqueeze(1))).neg_()
     else:
-        grad = log_p.exp_().mul_(a)
-    grad.add_(d).scatter_add_(1, torch.where(valid, labels, 0).unsqueeze(1), c)
+        grad = log_p.exp_().mul_(a.unsqueeze(1))  # a p
+    if d is not None:
+        grad.add_(d.unsqueeze(1))
+    grad.scatter_add_(1, torch.where(valid, labels, 0).unsqueeze(1), c.unsqueeze(1))
     if tanh is not None:
         grad.mul_(tanh.mul_(tanh).neg_().add_(1.0))
     factor = head.logit_scale * head.inv_temperature
     if factor != 1.0:
         grad.mul_(factor)
-    grad.masked_fill_(
-        ~valid.unsqueeze(1), 0.0
-    )  # not a product: an inf or NaN coefficient stays off these rows
-    return logits.copy_(grad)
+    if not bool(valid.all()):  # zeros, not a product: an inf or NaN coefficient stays off these rows
+        grad[~valid] = 0.0
+    return grad if grad is logits else logits.copy_(grad)
 
 
 def chunk_fns(backend: str, device: torch.device, what: str):

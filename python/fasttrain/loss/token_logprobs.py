@@ -66,16 +66,14 @@ class _TokenStatsMath:
         if scale is None:
             return None
         s = scale.float().expand(hi - lo)
-        coef = torch.stack((-s, s, torch.zeros_like(s), torch.zeros_like(s)), dim=1)
-        return self.grad_fn(logits, self.labels[lo:hi], self.head, stats["log_z"], coef, scratch=scratch)
+        return self.grad_fn(logits, self.labels[lo:hi], self.head, stats["log_z"], -s, s, scratch=scratch)
 
     def backward_chunk(self, logits, lo, hi, upstream, scratch):
         g_lp, g_ent = (None if g is None else g[lo:hi].float() for g in upstream)
-        zero = torch.zeros(hi - lo, dtype=torch.float32, device=logits.device)
-        g_lp = zero if g_lp is None else g_lp
-        coef = torch.stack((-g_lp, g_lp, zero, zero if g_ent is None else g_ent), dim=1)
+        g_lp = torch.zeros(hi - lo, device=logits.device) if g_lp is None else g_lp
         entropy = None if g_ent is None else self.entropy[lo:hi]
-        return self.grad_fn(logits, self.labels[lo:hi], self.head, self.log_z[lo:hi], coef, entropy, scratch)
+        args = (self.head, self.log_z[lo:hi], -g_lp, g_lp, None, g_ent, entropy, scratch)
+        return self.grad_fn(logits, self.labels[lo:hi], *args)
 
     def take_outputs(self):
         def cat(name, dtype=torch.float32):

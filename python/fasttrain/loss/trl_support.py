@@ -77,6 +77,7 @@ class _HeadState:
     installed: Any = None  # the forward fasttrain installed (disable restores only if it is still there)
     active: bool = True
     fused_calls: int = 0
+    num_items: Any = None  # what the trainer's compute_loss got: SFT's nll divides by it (uniform_grad)
 
 
 def _trl_problem() -> str | None:
@@ -114,7 +115,11 @@ def _is_trl_head(forward: Any) -> bool:
 
     code = getattr(getattr(forward, "__func__", None), "__code__", None)
     # functools.wraps gave it the class forward's names: recognise TRL's function by its code object
-    return code is not None and code.co_name == "_fused_forward" and code.co_filename == trl.trainer.utils.__file__
+    return (
+        code is not None
+        and code.co_name == "_fused_forward"
+        and code.co_filename == trl.trainer.utils.__file__
+    )
 
 
 def _wraps(forward: Any, func: Any) -> bool:
@@ -164,7 +169,9 @@ def _read_trl_head(model: nn.Module) -> tuple[Any, bool, dict[str, Any]] | str:
 
 def _install(model: nn.Module, trainer: Any, wrapped: bool, state: _HeadState) -> None:
     ours = types.MethodType(_make_forward(type(model)), model)
-    state.replaced = {name: model.__dict__[name] for name in ("forward", "_original_forward") if name in model.__dict__}
+    state.replaced = {
+        name: model.__dict__[name] for name in ("forward", "_original_forward") if name in model.__dict__
+    }
     model.__dict__[_STATE_ATTR] = state
     if not wrapped:
         model.forward = ours
@@ -211,9 +218,40 @@ def enable_for_trainer(trainer: Any) -> str | None:
         if isinstance(found, str):
             return found
         plans.append((model, found))
-    for model, (trl_forward, wrapped, settings) in plans:  # all or nothing: the status is then true for every model
+    for model, (
+        trl_forward,
+        wrapped,
+        settings,
+    ) in plans:  # all or nothing: the status is then true for every model
         _install(model, trainer, wrapped, _HeadState(trl_forward, settings, uniform))
+    if uniform:
+        _see_num_items(trainer, [_state(m) for m in _models(trainer, kind)])
     return None
+
+
+def _see_num_items(trainer: Any, states: list) -> None:
+    """SFT's nll is ``-sum(log_probs) / num_items_in_batch``, a value compute_loss gets and the model's forward
+    does not: a per-instance wrapper hands it to the fused head, whose forward then computes the gradients for
+    exactly that upstream (``uniform_grad``). Without it the head would guess the count and, where the guess
+    is off, the backward would recompute."""
+    if "compute_loss" in trainer.__dict__ and getattr(trainer.compute_loss, "_fasttrain_num_items", False):
+        return
+    original = trainer.compute_loss
+
+    @functools.wraps(original)
+    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        for state in states:
+            state.num_items = num_items_in_batch
+        try:
+            return original(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        finally:
+            for state in states:
+                state.num_items = None
+
+    compute_loss._fasttrain_num_items = True  # type: ignore[attr-defined]
+    trainer.compute_loss = compute_loss
 
 
 def _state(model: nn.Module) -> _HeadState | None:
@@ -223,6 +261,8 @@ def _state(model: nn.Module) -> _HeadState | None:
 def disable_for_trainer(trainer: Any) -> None:
     """Put TRL's own fused head back (exactly, where nothing has wrapped the forward since)."""
     kind = _trainer_kind(trainer) or "sft"
+    if getattr(trainer.__dict__.get("compute_loss"), "_fasttrain_num_items", False):
+        del trainer.compute_loss
     for model in _models(trainer, kind):
         state = _state(model)
         if state is None:
@@ -302,6 +342,9 @@ def _fused_head(model, state, args, kwargs, labels, shift_labels, num_items_in_b
         bias = None if bias is None else bias.full_tensor()
     mask = labels != -100
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    # the upstream of each scored log-prob under SFT's nll: TRL divides by the compute_loss's num_items_in_batch
+    expected = state.num_items if state.num_items is not None else count
+    expected = -1.0 / torch.as_tensor(expected, dtype=torch.float32, device=hidden.device).clamp(min=1)
     state.fused_calls += 1
     # only the scored positions go through the head (a host sync on a GPU, as in TRL's compact path)
     stats = fused_token_log_probs(
@@ -313,10 +356,7 @@ def _fused_head(model, state, args, kwargs, labels, shift_labels, num_items_in_b
         logit_scale=settings["logit_scale"],
         softcap=settings["final_logit_softcapping"],
         outputs=tuple(settings["outputs"]),
-        # nll's -sum(log_probs) / count: the gradient of each scored log-prob, applied before any rounding
-        uniform_grad=-1.0 / torch.as_tensor(count, dtype=torch.float32, device=hidden.device)
-        if state.uniform_grad
-        else False,
+        uniform_grad=expected if state.uniform_grad else False,
     )
     # masked_scatter keeps an all-masked batch connected to the graph (a differentiable zero), as TRL does
     log_probs, entropy, log_sum_sq, mean_logits, is_top1 = (
