@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from _loss_reference import as_truth
-from _truth_ops import assert_all_truth, assert_truth
+from _truth_ops import assert_all_truth, assert_bias_no_larger, assert_truth
 from fasttrain.loss.token_logprobs import OPTIONAL_OUTPUTS, fused_token_log_probs
 
 ALL = ("log_probs", *OPTIONAL_OUTPUTS)
@@ -381,3 +381,29 @@ def test_speculation_used_only_where_exact(backend, frozen_head, factor, refolds
     for o, r, t in zip(ours, ref, truth, strict=True):
         if o.requires_grad:
             assert_truth(o.grad.cpu(), r.grad, t.grad, **FP32)
+
+
+@pytest.mark.parametrize("n, factor", [(3000, 1.0), (2048, 3.0)])
+def test_bf16_gradient_bias_at_init_no_larger_than_trls_head(n, factor):
+    """At initialisation (p ~ 1/V) bf16 rounds 1 - p to 1 on every token, so whether the upstream scale is
+    applied before or after that rounding decides a bias on the whole gradient. Under SFT's loss
+    (-sum(log_probs) / n, times a caller's factor), ours must be no more biased than TRL's own head."""
+    trl_kernels = pytest.importorskip("trl.kernels")
+    gen = torch.Generator().manual_seed(n)
+    hidden, weight = torch.randn(n, 64, generator=gen), torch.randn(1000, 64, generator=gen) * 0.02
+    labels = torch.randint(0, 1000, (n,), generator=gen)
+    (h1, w1), (h2, w2) = (
+        [hidden.clone().requires_grad_(), weight.clone().requires_grad_()] for _ in range(2)
+    )
+    h3, w3 = as_truth(hidden.bfloat16()), as_truth(weight.bfloat16())  # on the values autocast multiplies
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = fused_token_log_probs(h1, w1, labels, uniform_grad=True).log_probs
+        theirs = trl_kernels.ChunkedLogProbFunction.apply(
+            h2, w2, None, labels, 1.0, 32768, None, 1.0, ("log_probs",)
+        )
+    truth = F.log_softmax(h3 @ w3.t(), dim=-1).gather(1, labels[:, None]).squeeze(1)
+    for log_probs in (ours, theirs[0], truth):
+        (-factor * log_probs.sum() / n).backward()
+    assert (h1.grad.dtype, w1.grad.dtype) == (torch.float32, torch.float32)
+    triples = [("hidden", h1.grad, h2.grad, h3.grad), ("weight", w1.grad, w2.grad, w3.grad)]
+    assert_bias_no_larger(triples, slack=2.0**-13)  # as tests/test_loss.py's BIAS_SLACK
