@@ -7,8 +7,8 @@ and from the same weights. Per engine it reports, side by side:
 - step time: the median over repetitions of each run's median optimizer-step time (first steps dropped as warm-up),
   and the ratio reference / fasttrain (above 1: fasttrain is faster);
 - loss agreement: the largest relative difference of the logged per-step loss between the two (first repetition);
-- peak memory: the peak resident set of rank 0 during the run (``VmHWM``, reset before each run through
-  ``/proc/self/clear_refs``), reference and fasttrain;
+- peak memory: how far rank 0's resident set rose during the run above its level at the start (``VmHWM``, reset
+  before each run through ``/proc/self/clear_refs``, minus ``VmRSS`` then), reference and fasttrain;
 - fasttrain's status line for the engine.
 
 Engines run through the Trainer the way the tests drive them on CPU: DDP with ``use_cpu=True``; DeepSpeed with
@@ -51,12 +51,12 @@ def _peak_rss_reset() -> None:
         f.write("5")
 
 
-def _peak_rss_mib() -> float:
+def _status_mib(field: str) -> float:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _model(a):
@@ -196,13 +196,17 @@ def _train(engine: str, patched: bool, a) -> dict:
         callbacks=[StepClock()],
     )
     _peak_rss_reset()
+    rss_start = _status_mib("VmRSS")
     trainer.train()
     steps = [b - a_ for a_, b in itertools.pairwise(step_ends)][WARMUP_STEPS - 1 :]
     fasttrain.unpatch()
     return {
         "step_s": statistics.median(steps),
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-        "peak_rss_mib": _peak_rss_mib(),
+        # what the run added at its peak over what the process held when it started: DeepSpeed keeps some memory
+        # of earlier runs in the process, so absolute peaks grow from run to run and would favour the first
+        "peak_rss_growth_mib": _status_mib("VmHWM") - rss_start,
+        "rss_start_mib": rss_start,
         "status": dict(getattr(trainer, "fasttrain_status", {})),
         "distributed_type": str(trainer.accelerator.distributed_type),
         "world_size": trainer.args.world_size,
@@ -233,7 +237,22 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
+def _git_state() -> str:
+    """The commit the launch ran (and whether the working tree differed from it): the tree may change between
+    launches when others work in it."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True)  # fmt: skip
+    except OSError:
+        return "unknown"
+    return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
+
+
 def launch(engine: str, a, out_dir: Path) -> dict:
+    git = _git_state()
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), DS_ACCELERATOR="cpu")
     env.pop("TRITON_INTERPRET", None)  # the CPU paths, not the Triton interpreter
     model_args = ["--steps", a.steps, "--reps", a.reps, "--batch", a.batch, "--seq-len", a.seq_len,
@@ -257,10 +276,11 @@ def launch(engine: str, a, out_dir: Path) -> dict:
         "fasttrain_step_s": ours_s,
         "speedup": ref_s / ours_s,
         "max_rel_loss_diff": loss_diff,
-        "reference_peak_rss_mib": max(r["peak_rss_mib"] for r in ref),
-        "fasttrain_peak_rss_mib": max(r["peak_rss_mib"] for r in ours),
+        "reference_peak_growth_mib": statistics.median(r["peak_rss_growth_mib"] for r in ref),
+        "fasttrain_peak_growth_mib": statistics.median(r["peak_rss_growth_mib"] for r in ours),
         "status": ours[0]["status"],
         "launch_s": time.perf_counter() - started,
+        "git": git,
         "runs": runs,
     }
 
@@ -308,21 +328,22 @@ def _markdown(env: dict, rows: list[dict], a) -> str:
         f" random tokens, {a.batch} a rank per step, fp32, {a.threads} thread(s) a process; {a.steps} optimizer steps"
         f" a run, the first {WARMUP_STEPS} not timed; reference and fasttrain alternating in the same processes,"
         f" {a.reps} repetitions each; medians. fasttrain's kernels run their PyTorch backends on CPU (Triton needs a"
-        " GPU). Peak memory: rank 0's peak resident set during a run (VmHWM reset before it).",
+        " GPU). Peak memory: how far rank 0's resident set rose above its level at the start of the run, at its peak"
+        " (VmHWM, reset before the run, minus VmRSS then), median over repetitions.",
         "",
-        "| engine | reference step | fasttrain step | speed-up | max rel. loss difference | peak RSS reference"
-        " | peak RSS fasttrain |",
+        "| engine | reference step | fasttrain step | speed-up | max rel. loss difference | peak memory reference"
+        " | peak memory fasttrain |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['engine']} | {r['reference_step_s'] * 1000:.1f} ms | {r['fasttrain_step_s'] * 1000:.1f} ms"
-            f" | {r['speedup']:.2f}x | {r['max_rel_loss_diff']:.1e} | {r['reference_peak_rss_mib']:.0f} MiB"
-            f" | {r['fasttrain_peak_rss_mib']:.0f} MiB |"
+            f" | {r['speedup']:.2f}x | {r['max_rel_loss_diff']:.1e} | {r['reference_peak_growth_mib']:.0f} MiB"
+            f" | {r['fasttrain_peak_growth_mib']:.0f} MiB |"
         )
     lines += ["", "fasttrain's status line per engine:", ""]
-    lines += [f"- {r['engine']} ({r['distributed_type']}, {r['world_size']} processes): {status(r['status'])}"
-              for r in rows]  # fmt: skip
+    lines += [f"- {r['engine']} ({r['distributed_type']}, {r['world_size']} processes; fasttrain at {r['git']}):"
+              f" {status(r['status'])}" for r in rows]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
