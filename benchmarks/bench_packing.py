@@ -78,6 +78,43 @@ def _run(kind: str, args, dataset, out: str):
     return seconds, [h["loss"] for h in trainer.state.log_history if "loss" in h], status.get("packing")
 
 
+def _interleaved(args, dataset) -> dict:
+    """One model, the same batches: forward + backward of each batch padded, then packed, alternating, ``--rounds``
+    times; per-batch medians (less exposed to a loaded machine than whole runs minutes apart)."""
+    from fasttrain.data import packing
+
+    model = _model(args.vocab, args.hidden, args.layers).train()
+    collator = transformers.DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False)
+    cost = packing.PackingCost(model.config, "sdpa")
+    rows = [dataset[i] for i in range(len(dataset))]
+    batches = [rows[i : i + args.batch] for i in range(0, len(rows), args.batch)]
+    padded_s, packed_s, gate = [[] for _ in batches], [[] for _ in batches], []
+    for b in batches:
+        padded = collator([dict(r) for r in b])
+        mask = padded["attention_mask"]
+        gate.append(cost.worth_it(mask.shape[0], mask.shape[1], mask.sum(1).numpy()))
+    for _ in range(args.rounds):
+        for i, b in enumerate(batches):
+            for kind, out in (("padded", padded_s), ("packed", packed_s)):
+                batch = collator([dict(r) for r in b])
+                if kind == "packed":
+                    batch, _ = packing.pack(batch, flash=False)
+                start = time.perf_counter()
+                model(**batch).loss.backward()
+                out[i].append(time.perf_counter() - start)
+                model.zero_grad(set_to_none=True)
+    per_batch = [
+        {"padded_s": statistics.median(a), "packed_s": statistics.median(b), "gate_packs": g}
+        for a, b, g in zip(padded_s, packed_s, gate, strict=True)
+    ]
+    return {
+        "per_batch": per_batch,
+        "all_packed_speedup": sum(x["padded_s"] for x in per_batch) / sum(x["packed_s"] for x in per_batch),
+        "gated_speedup": sum(x["padded_s"] for x in per_batch)
+        / sum(x["packed_s"] if x["gate_packs"] else x["padded_s"] for x in per_batch),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=2)
@@ -88,9 +125,24 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--median", type=int, default=180)
     p.add_argument("--longest", type=int, default=1024)
+    p.add_argument("--interleaved", action="store_true", help="per-batch forward+backward, padded vs packed")
+    p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
     n = args.steps * args.batch
     dataset, lengths = _dataset(n, args.vocab, args.median, args.longest)
+    if args.interleaved:
+        result = _interleaved(args, dataset)
+        result.update(
+            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            command="python benchmarks/bench_packing.py " + " ".join(sys.argv[1:]),
+            hardware=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs (shared), no GPU",
+            versions={"torch": torch.__version__, "transformers": transformers.__version__},
+            settings=vars(args),
+        )
+        out = Path(__file__).parent / "results" / "packing_interleaved.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+        return
     tokens = int(lengths.sum())  # the random sampler sees every row once in steps * batch rows
     kinds = ("reference", "fasttrain-packed", "fasttrain-padded")
     times = {k: [] for k in kinds}
