@@ -195,9 +195,11 @@ def row_stats(
     log_sum_sq=False,
     top1=False,
     scratch=None,
+    reuse=False,
     block_v=None,
 ):
-    """Triton twin of ``fasttrain.loss.lm_head_torch.row_stats`` (same arguments and results)."""
+    """Triton twin of ``fasttrain.loss.lm_head_torch.row_stats`` (same arguments and results; ``reuse`` is the
+    CPU twin's: the gradient kernel streams the row anyway)."""
     transform, launch = _launch_args(logits, labels, head, block_v)
     rows = logits.shape[0]
     f32 = {"dtype": torch.float32, "device": logits.device}
@@ -220,9 +222,21 @@ def row_stats(
 
 
 def row_grad(
-    logits, labels, head, log_z, a, c, d=None, g_ent=None, entropy=None, scratch=None, *, block_v=None
+    logits,
+    labels,
+    head,
+    log_z,
+    a,
+    c,
+    d=None,
+    g_ent=None,
+    entropy=None,
+    scratch=None,
+    exp=None,
+    *,
+    block_v=None,
 ):
-    """Triton twin of ``fasttrain.loss.lm_head_torch.row_grad``: the gradient, in place."""
+    """Triton twin of ``fasttrain.loss.lm_head_torch.row_grad``: the gradient, in place (``exp`` unused)."""
     transform, launch = _launch_args(logits, labels, head, block_v)
     if logits.shape[0]:
         zero = torch.zeros_like(a)

@@ -50,7 +50,14 @@ class _CrossEntropyMath:
         self.log_z = torch.empty(labels.shape[0], **f32)  # for the backward
 
     def forward_chunk(self, logits, lo, hi, scale, scratch):
-        stats = self.stats_fn(logits, self.labels[lo:hi], self.head, sum_z=self.eps > 0, scratch=scratch)
+        stats = self.stats_fn(
+            logits,
+            self.labels[lo:hi],
+            self.head,
+            sum_z=self.eps > 0,
+            scratch=scratch,
+            reuse=scale is not None,
+        )
         log_z, loss = stats["log_z"], stats["log_z"] - (1.0 - self.eps) * stats["target"]
         if self.eps:
             loss = loss - (self.eps / self.vocab) * stats["sum_z"]
@@ -59,18 +66,20 @@ class _CrossEntropyMath:
         assert self.loss is not None
         self.loss[lo:hi] = torch.where(self.valid[lo:hi], loss, 0.0)
         self.log_z[lo:hi] = log_z
-        return None if scale is None else self._grad(logits, lo, hi, scale, scratch)
+        return None if scale is None else self._grad(logits, lo, hi, scale, scratch, stats.get("_exp"))
 
     def backward_chunk(self, logits, lo, hi, upstream, scratch):
         return self._grad(logits, lo, hi, upstream[0][lo:hi], scratch)
 
-    def _grad(self, logits, lo, hi, scale, scratch):
+    def _grad(self, logits, lo, hi, scale, scratch, exp=None):
         s = scale.float().expand(hi - lo)
         log_z = self.log_z[lo:hi]
         a = s * (1.0 + 2.0 * self.z_loss * log_z) if self.z_loss else s
         smooth = -(self.eps / self.vocab) * s if self.eps else None  # None: no 0 * an inf scale (NaN)
         c = -(1.0 - self.eps) * s
-        return self.grad_fn(logits, self.labels[lo:hi], self.head, log_z, a, c, smooth, scratch=scratch)
+        return self.grad_fn(
+            logits, self.labels[lo:hi], self.head, log_z, a, c, smooth, scratch=scratch, exp=exp
+        )
 
     def take_outputs(self):
         loss, self.loss = self.loss, None

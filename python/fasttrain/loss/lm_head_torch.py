@@ -77,10 +77,24 @@ def _row_dot(a, b, scratch) -> torch.Tensor:
 
 
 def row_stats(
-    logits, labels, head, *, sum_z=False, entropy=False, log_sum_sq=False, top1=False, scratch=None
+    logits,
+    labels,
+    head,
+    *,
+    sum_z=False,
+    entropy=False,
+    log_sum_sq=False,
+    top1=False,
+    scratch=None,
+    reuse=False,
 ):
-    """{"log_z", "target", and the requested "sum_z", "entropy", "log_sum_sq_probs", "is_top1"}, each [rows]."""
+    """{"log_z", "target", and the requested "sum_z", "entropy", "log_sum_sq_probs", "is_top1"}, each [rows].
+
+    ``reuse``: a ``row_grad`` on the same logits follows; where the transform is the identity, ``"_exp"`` then
+    hands it this pass's exponentials (one exp pass over the chunk instead of two), and fp32 logits are used as
+    the buffer (consumed)."""
     z, _ = _transform(logits, head, scratch, keep_tanh=False)
+    reuse = reuse and z is logits
     valid = labels != head.ignore_index
     safe = torch.where(valid, labels, 0).unsqueeze(1)
     out = {"target": z.gather(1, safe).squeeze(1).float()}
@@ -92,7 +106,8 @@ def row_stats(
     else:
         row_max = z.amax(dim=-1)
     row_max = row_max.float()
-    shifted = _minus(z, logits, row_max, _buffer(scratch, "shifted", logits))
+    consume = reuse and logits.dtype == torch.float32
+    shifted = _minus(z, logits, row_max, logits if consume else _buffer(scratch, "shifted", logits))
     exp = torch.exp(shifted, out=_buffer(scratch, "exp", shifted)) if entropy else shifted.exp_()
     sum_exp = exp.sum(dim=-1)
     log_sum = sum_exp.log()
@@ -102,21 +117,22 @@ def row_stats(
     if log_sum_sq:
         out["log_sum_sq_probs"] = _row_dot(exp, exp, scratch).log() - 2.0 * log_sum
     zero = sum_exp.new_zeros(())
-    return {k: v if k == "is_top1" else torch.where(valid, v, zero) for k, v in out.items()}
+    out = {k: v if k == "is_top1" else torch.where(valid, v, zero) for k, v in out.items()}
+    if reuse:
+        out["_exp"] = (exp, sum_exp)
+    return out
 
 
-def row_grad(logits, labels, head, log_z, a, c, d=None, g_ent=None, entropy=None, scratch=None):
+def row_grad(logits, labels, head, log_z, a, c, d=None, g_ent=None, entropy=None, scratch=None, exp=None):
     """The gradient with respect to ``logits`` for the per-row coefficients ``a``, ``c`` and, where not None,
-    ``d`` and ``g_ent`` (with ``entropy``) of the module docstring, written into ``logits`` and returned."""
-    z, tanh = _transform(logits, head, scratch, keep_tanh=True)
+    ``d`` and ``g_ent`` (with ``entropy``) of the module docstring, written into ``logits`` and returned.
+    ``exp``: ``row_stats``' ``"_exp"`` for these logits (then ``p = exp / sum``, no second exp pass)."""
     valid = labels != head.ignore_index
-    in_place = z is logits and logits.dtype == torch.float32  # fp32 logits take the gradient directly
-    log_p = _minus(z, logits, log_z, logits if in_place else _buffer(scratch, "shifted", logits))
-    if g_ent is not None:
-        p = torch.exp(log_p, out=_buffer(scratch, "exp", log_p))
-        grad = p.mul_(log_p.add_(entropy.unsqueeze(1)).mul_(g_ent.unsqueeze(1)).sub_(a.unsqueeze(1))).neg_()
+    if exp is not None and g_ent is None:  # the identity transform (row_stats hands exp only then)
+        e, sum_exp = exp
+        grad, tanh = e.mul_((a / sum_exp).unsqueeze(1)), None  # a p
     else:
-        grad = log_p.exp_().mul_(a.unsqueeze(1))  # a p
+        grad, tanh = _grad_from_logits(logits, head, log_z, a, g_ent, entropy, scratch)
     if d is not None:
         grad.add_(d.unsqueeze(1))
     grad.scatter_add_(1, torch.where(valid, labels, 0).unsqueeze(1), c.unsqueeze(1))
@@ -128,6 +144,17 @@ def row_grad(logits, labels, head, log_z, a, c, d=None, g_ent=None, entropy=None
     if not bool(valid.all()):  # zeros, not a product: an inf or NaN coefficient stays off these rows
         grad[~valid] = 0.0
     return grad if grad is logits else logits.copy_(grad)
+
+
+def _grad_from_logits(logits, head, log_z, a, g_ent, entropy, scratch):
+    """``a p - g_ent p (log p + H)`` (fp32; in ``logits`` itself where they are fp32 and untransformed), tanh."""
+    z, tanh = _transform(logits, head, scratch, keep_tanh=True)
+    in_place = z is logits and logits.dtype == torch.float32
+    log_p = _minus(z, logits, log_z, logits if in_place else _buffer(scratch, "shifted", logits))
+    if g_ent is None:
+        return log_p.exp_().mul_(a.unsqueeze(1)), tanh
+    p = torch.exp(log_p, out=_buffer(scratch, "exp", log_p))
+    return p.mul_(log_p.add_(entropy.unsqueeze(1)).mul_(g_ent.unsqueeze(1)).sub_(a.unsqueeze(1))).neg_(), tanh
 
 
 def chunk_fns(backend: str, device: torch.device, what: str):

@@ -57,6 +57,7 @@ class _TokenStatsMath:
         stats = self.stats_fn(
             logits, self.labels[lo:hi], self.head, sum_z="mean_logits" in wanted, entropy="entropy" in wanted,
             log_sum_sq="log_sum_sq_probs" in wanted, top1="is_top1" in wanted, scratch=scratch,
+            reuse=scale is not None,
         )  # fmt: skip
         stats["log_probs"] = stats["target"] - stats["log_z"]
         if "mean_logits" in wanted:
@@ -66,7 +67,8 @@ class _TokenStatsMath:
         if scale is None:
             return None
         s = scale.float().expand(hi - lo)
-        return self.grad_fn(logits, self.labels[lo:hi], self.head, stats["log_z"], -s, s, scratch=scratch)
+        args = (self.head, stats["log_z"], -s, s)
+        return self.grad_fn(logits, self.labels[lo:hi], *args, scratch=scratch, exp=stats.get("_exp"))
 
     def backward_chunk(self, logits, lo, hi, upstream, scratch):
         g_lp, g_ent = (None if g is None else g[lo:hi].float() for g in upstream)
