@@ -71,8 +71,8 @@ def _minus(z, logits, row_value, out):
 
 
 def _row_dot(a, b, scratch) -> torch.Tensor:
-    """Row-wise dot products through torch's sum (cascade summation): a bmm dot product accumulates the vocabulary
-    in one running fp32 sum, 19.7x farther from float64 than torch's sum at vocab 70,001."""
+    """Row-wise dot products through torch's sum (cascade summation): for sum p**2 a bmm dot product (one running
+    fp32 sum over the vocabulary) was 19.7x farther from float64 than the reference at vocab 70,001."""
     return torch.mul(a, b, out=_buffer(scratch, "product", a)).sum(dim=-1)
 
 
@@ -112,8 +112,9 @@ def row_stats(
     sum_exp = exp.sum(dim=-1)
     log_sum = sum_exp.log()
     out["log_z"] = row_max + log_sum
-    if entropy:  # log_z - sum p z = log(sum e) - sum e (z - max) / sum e
-        out["entropy"] = log_sum - _row_dot(exp, shifted, scratch) / sum_exp
+    if entropy:  # log_z - sum p z = log(sum e) - sum e (z - max) / sum e; a bmm dot product: no temporary,
+        # and within the bound at vocab 70,001 (3.2x the reference's distance where log_sum_sq_probs was 19.7x)
+        out["entropy"] = log_sum - torch.bmm(exp.unsqueeze(1), shifted.unsqueeze(2)).reshape(-1) / sum_exp
     if log_sum_sq:
         out["log_sum_sq_probs"] = _row_dot(exp, exp, scratch).log() - 2.0 * log_sum
     zero = sum_exp.new_zeros(())
