@@ -167,7 +167,8 @@ def _pass(hidden, weight, bias, plan: _Plan, needs, chunk_grad) -> _Grads | None
 def _exact_ratio(upstream: torch.Tensor, valid: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor | None:
     """``upstream / predicted`` if every scored upstream is the same (+-) power of two times the prediction,
     else None. Equal mantissas (``frexp``) mean an exact ratio +-2^k; scaling by it commutes with every rounding
-    of the gradient, so the forward's gradients scaled by it are what a recompute would give."""
+    of the gradient, so the forward's gradients scaled by it are those for the actual upstream with its scale
+    applied before any rounding (up to fp32 rounding, the same formula as a recompute's)."""
     u = upstream.float()
     if u.numel() == 0:
         return None  # no chunk to recompute
