@@ -227,7 +227,9 @@ def test_sft_qwen3_with_eval(tmp_path, monkeypatch):
     ours, our_logs, _ = _train(make, True, monkeypatch)
     _compare(ref_logs, our_logs, truth_logs, SFT_METRICS)
     keys = ("eval_loss", "eval_entropy", "eval_mean_token_accuracy")
-    evals = [[{k: h[k] for k in keys} for h in t.state.log_history if "eval_loss" in h] for t in (ref, ours, truth)]
+    evals = [
+        [{k: h[k] for k in keys} for h in t.state.log_history if "eval_loss" in h] for t in (ref, ours, truth)
+    ]
     _compare(*evals, set(keys), min_logs=1)
     assert trl_support.fused_calls(ours) == ref_det.trl_kernel  # training micro-batches + eval batches
 
@@ -276,7 +278,11 @@ def _dpo_factory(tmp_path, with_ref=True, peft_config=None, **config):
         # a model built from a config has no hub name to reload as the reference: pass one (or use PEFT)
         return trl.DPOTrainer(
             model=_as_truth(_tiny.model("llama")) if truth else _tiny.model("llama"),
-            ref_model=None if not with_ref else _as_truth(_tiny.model("llama")) if truth else _tiny.model("llama"),
+            ref_model=None
+            if not with_ref
+            else _as_truth(_tiny.model("llama"))
+            if truth
+            else _tiny.model("llama"),
             args=trl.DPOConfig(**settings),
             train_dataset=data,
             processing_class=_tiny.tokenizer(),
@@ -333,8 +339,9 @@ def test_reasons_and_disable(tmp_path, monkeypatch):
         warnings.simplefilter("ignore")
         trainer = _sft_factory(tmp_path)()
     monkeypatch.setattr(trl, "__version__", "1.15.0")
-    assert "TRL 1.15.0: fasttrain serves TRL's fused LM head for TRL >= 1.16" in trl_support.enable_for_trainer(
-        trainer
+    assert (
+        "TRL 1.15.0: fasttrain serves TRL's fused LM head for TRL >= 1.16"
+        in trl_support.enable_for_trainer(trainer)
     )
     monkeypatch.delattr(trl_utils, "add_fused_lm_head")  # as in TRL releases before the fused head
     assert "has no fused LM head" in trl_support.enable_for_trainer(trainer)
@@ -369,7 +376,9 @@ def test_head_under_accelerate_autocast_wrapper(tmp_path):
     truth = _plain_truth(tmp_path, ids)
     assert trl_support.enable_for_trainer(trainer) is None
     ours = model._original_forward
-    assert getattr(ours.__func__, "_fasttrain_trl_head", False) and trl_support._wraps(model.forward, ours.__func__)
+    assert getattr(ours.__func__, "_fasttrain_trl_head", False) and trl_support._wraps(
+        model.forward, ours.__func__
+    )
     with torch.no_grad():
         out = model(input_ids=ids, labels=ids, fused_lm_head=True)
         inner = ours(input_ids=ids, labels=ids, fused_lm_head=True)  # without the wrapper: fp32 matmul
@@ -411,7 +420,11 @@ def test_calls_without_fused_head_keep_trl_forward(tmp_path):
     # top-1 hits where the label's margin exceeds 4 fp32 roundings of the largest logit
     decided = truth["top1_margin"].abs() > 4 * torch.finfo(torch.float32).eps * truth["max_abs_logit"]
     assert torch.equal(ours.is_top1[decided], truth["is_top1"][decided])
-    for name in ("loss", "log_probs", "entropy"):  # one fp32 forward: twice TRL's distance plus 4 fp32 roundings
+    for name in (
+        "loss",
+        "log_probs",
+        "entropy",
+    ):  # one fp32 forward: twice TRL's distance plus 4 fp32 roundings
         assert_truth(getattr(ours, name), getattr(trl_fused, name), truth[name], k=K, ulps=4.0, what=name)
     assert generated.shape == (1, 8)
 

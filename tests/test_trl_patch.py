@@ -54,10 +54,15 @@ class _RewardMargins:
 
     def per_step(self) -> list[torch.Tensor]:
         found = []
-        for chosen, rejected, accuracies, margins in zip(*(self.gathered[i:] for i in range(4)), strict=False):
+        for chosen, rejected, accuracies, margins in zip(
+            *(self.gathered[i:] for i in range(4)), strict=False
+        ):
             shapes = {t.shape for t in (chosen, rejected, accuracies, margins)}
-            if len(shapes) == 1 and torch.equal(accuracies, (chosen > rejected).to(accuracies.dtype)) \
-                    and torch.equal(margins, chosen - rejected):
+            if (
+                len(shapes) == 1
+                and torch.equal(accuracies, (chosen > rejected).to(accuracies.dtype))
+                and torch.equal(margins, chosen - rejected)
+            ):
                 found.append(margins)
         return found
 
@@ -108,10 +113,12 @@ def _assert_metrics_near_truth(ref, ours, truth, must_have, bf16):
     per_step = len(undecided) // steps
     compared = 0
     for step in range(steps):
-        if sum(undecided[step * per_step:(step + 1) * per_step]) == 0:
+        if sum(undecided[step * per_step : (step + 1) * per_step]) == 0:
             compared += 1
             assert logs[0][step]["mean_token_accuracy"] == logs[2][step]["mean_token_accuracy"], step + 1
-    _truth.record(f"mean_token_accuracy compared at {compared} of {steps} steps; undecided hits per call {undecided}")
+    _truth.record(
+        f"mean_token_accuracy compared at {compared} of {steps} steps; undecided hits per call {undecided}"
+    )
     assert compared or bf16, "in float32 no top-1 hit should lie within rounding of a tie"
 
 
@@ -127,7 +134,9 @@ def _assert_bf16_tracks_reference(ref, ours, truth):
     checks = [("loss", 0)] + [("grad_norm", step) for step in range(len(logs[2]))]
     for key, step in checks:
         _truth.assert_scalar_near_truth(
-            f"bf16 step {step + 1} {key} (per-step bound)", *(run[step][key] for run in logs), BF16_SAME_ROUNDING
+            f"bf16 step {step + 1} {key} (per-step bound)",
+            *(run[step][key] for run in logs),
+            BF16_SAME_ROUNDING,
         )
 
 
@@ -161,12 +170,26 @@ class MySFTTrainer(trl.SFTTrainer):
 def test_sft_under_patch(tmp_path, cls, bf16):
     def make(model, bf16=bf16):
         config = trl.SFTConfig(
-            output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, logging_steps=1, report_to=[],
-            save_strategy="no", use_cpu=True, bf16=bf16, seed=0, learning_rate=1e-3, max_length=64,
-            disable_tqdm=True, **tiny.grouping_args(),
+            output_dir=str(tmp_path),
+            max_steps=3,
+            per_device_train_batch_size=4,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            bf16=bf16,
+            seed=0,
+            learning_rate=1e-3,
+            max_length=64,
+            disable_tqdm=True,
+            **tiny.grouping_args(),
         )
-        return cls(model=model(), args=config,
-                   train_dataset=tiny.text_dataset().select_columns(["text"]), processing_class=tiny.tokenizer())
+        return cls(
+            model=model(),
+            args=config,
+            train_dataset=tiny.text_dataset().select_columns(["text"]),
+            processing_class=tiny.tokenizer(),
+        )
 
     ref, _ = _train(make, patched=False)
     ours, lm_head_calls = _train(make, patched=True)
@@ -174,8 +197,9 @@ def test_sft_under_patch(tmp_path, cls, bf16):
     assert ours.fasttrain_status == tiny.all_on_status()
     assert lm_head_calls == 0
     _assert_under_accelerate_autocast(ours, bf16)
-    _assert_metrics_near_truth(ref, ours, truth, {"loss", "mean_token_accuracy", "entropy", "num_tokens",
-                                                  "grad_norm"}, bf16)
+    _assert_metrics_near_truth(
+        ref, ours, truth, {"loss", "mean_token_accuracy", "entropy", "num_tokens", "grad_norm"}, bf16
+    )
     if bf16:
         _assert_bf16_tracks_reference(ref, ours, truth)
 
@@ -184,27 +208,50 @@ def test_sft_under_patch(tmp_path, cls, bf16):
 def test_dpo_under_patch(tmp_path, bf16):
     def make(model, bf16=bf16):
         config = trl.DPOConfig(
-            output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, logging_steps=1, report_to=[],
-            save_strategy="no", use_cpu=True, bf16=bf16, seed=0, learning_rate=1e-3, max_length=48,
+            output_dir=str(tmp_path),
+            max_steps=2,
+            per_device_train_batch_size=4,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            bf16=bf16,
+            seed=0,
+            learning_rate=1e-3,
+            max_length=48,
             disable_tqdm=True,
         )
         # a model built from a config has no hub name: TRL cannot reload it as the reference, so pass one
-        return trl.DPOTrainer(model=model(), ref_model=model(), args=config,
-                              train_dataset=tiny.text_dataset().select_columns(["prompt", "chosen", "rejected"]),
-                              processing_class=tiny.tokenizer())
+        return trl.DPOTrainer(
+            model=model(),
+            ref_model=model(),
+            args=config,
+            train_dataset=tiny.text_dataset().select_columns(["prompt", "chosen", "rejected"]),
+            processing_class=tiny.tokenizer(),
+        )
 
     ref, _ = _train(make, patched=False)
     ours, lm_head_calls = _train(make, patched=True)
     truth, _ = _train(make, patched=False, truth=True)
     # DPO's preference batches (chosen and rejected rows of one prompt) are not ones packing starts from
-    packing = ("off: the collator fasttrain.data.trl_collators.DataCollatorForPreference is not a padding collator "
-               "fasttrain knows (its batches are kept as they are)")
-    assert ours.fasttrain_status == {**tiny.all_on_status(), "sampler": "off: group_by_length is not set",
-                                     "packing": packing}
+    packing = (
+        "off: the collator fasttrain.data.trl_collators.DataCollatorForPreference is not a padding collator "
+        "fasttrain knows (its batches are kept as they are)"
+    )
+    assert ours.fasttrain_status == {
+        **tiny.all_on_status(),
+        "sampler": "off: group_by_length is not set",
+        "packing": packing,
+    }
     assert lm_head_calls == 0
     _assert_under_accelerate_autocast(ours, bf16)
-    _assert_metrics_near_truth(ref, ours, truth, {"loss", "rewards/chosen", "rewards/margins", "rewards/accuracies",
-                                                  "logps/chosen", "grad_norm"}, bf16)
+    _assert_metrics_near_truth(
+        ref,
+        ours,
+        truth,
+        {"loss", "rewards/chosen", "rewards/margins", "rewards/accuracies", "logps/chosen", "grad_norm"},
+        bf16,
+    )
     if bf16:
         _assert_bf16_tracks_reference(ref, ours, truth)
 
@@ -215,11 +262,23 @@ def test_a_trl_trainer_whose_head_cannot_be_served_keeps_trls(tmp_path, monkeypa
     monkeypatch.setitem(trl_support.KERNEL_CHOICE, ("cpu", "sft"), "trl")
 
     def make(model):
-        config = trl.SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[],
-                               save_strategy="no", use_cpu=True, bf16=False, max_length=64, disable_tqdm=True)
-        return trl.SFTTrainer(model=model(), args=config,
-                              train_dataset=tiny.text_dataset().select_columns(["text"]),
-                              processing_class=tiny.tokenizer())
+        config = trl.SFTConfig(
+            output_dir=str(tmp_path),
+            max_steps=2,
+            per_device_train_batch_size=4,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            bf16=False,
+            max_length=64,
+            disable_tqdm=True,
+        )
+        return trl.SFTTrainer(
+            model=model(),
+            args=config,
+            train_dataset=tiny.text_dataset().select_columns(["text"]),
+            processing_class=tiny.tokenizer(),
+        )
 
     ours, _ = _train(make, patched=True)
     assert ours.fasttrain_status["loss"] == (
