@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import datasets
@@ -110,6 +111,9 @@ def training_args(out: str, **overrides) -> transformers.TrainingArguments:
 
 # transformers < 5 has no Trainer._clip_grad_norm (it clips inside its loop): the fused clip cannot run there
 FUSED_CLIP = hasattr(transformers.Trainer, "_clip_grad_norm")
+# transformers 5 counts num_items_in_batch over shifted labels (the pairs a causal LM scores), which a packed row
+# keeps; 4.x counts every label, so fasttrain keeps its batches padded there
+PACKING = "_loss_shifts_labels" in inspect.getsource(transformers.Trainer.__init__)
 # transformers < 5 logs the loss rounded to 4 decimals
 LOGGED_LOSS_ABS = 0.0 if FUSED_CLIP else 1.5e-4  # one unit in the 4th decimal, and float slack
 
@@ -145,7 +149,11 @@ def all_on_status() -> dict[str, str]:
     clip = (
         "on" if FUSED_CLIP else f"off: transformers {transformers.__version__} has no Trainer._clip_grad_norm"
     )
-    return {"optimizer": "on", "clip": clip, "loss": "on", "collator": "on", "sampler": "on", "packing": "on"}
+    packing = "on" if PACKING else (
+        f"off: transformers {transformers.__version__} counts num_items_in_batch over unshifted labels "
+        "(a packed row would change the loss's denominator)"
+    )
+    return {"optimizer": "on", "clip": clip, "loss": "on", "collator": "on", "sampler": "on", "packing": packing}
 
 
 def text_dataset(n: int = 24, seed: int = 0):

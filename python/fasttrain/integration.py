@@ -235,7 +235,15 @@ def _packing_problem(trainer: Any) -> str | None:
         owner = next(c for c in type(trainer).__mro__ if name in c.__dict__)
         if owner is not transformers.Trainer and not (trl and owner.__module__.split(".")[0] == "trl"):
             return f"{owner.__name__}.{name} is overridden and may read the padded batch"
-    if getattr(trainer, "_loss_shifts_labels", True) is False:
+    shifts = getattr(trainer, "_loss_shifts_labels", None)
+    if shifts is None:
+        # transformers 4.x counts num_items_in_batch over every label, each example's first one included: a packed
+        # row ignores those, so the loss would be divided by another count than the padded batch's
+        return (
+            f"transformers {transformers.__version__} counts num_items_in_batch over unshifted labels "
+            "(a packed row would change the loss's denominator)"
+        )
+    if shifts is False:
         return "the Trainer does not treat the loss as a causal LM's (it counts unshifted labels)"
     if trainer.compute_loss_func is not None:
         return "compute_loss_func is set (a loss of the user's own may read the padded shape)"
