@@ -24,7 +24,8 @@ Memory: one ``[rows, vocab]`` logits buffer in the compute dtype (plus the chunk
 CPU), the fp32 gradient accumulators, and under autocast one copy of the weight in the compute dtype (as
 autocast ``nn.Linear`` makes). On CPU, which has no half-precision matmul with an fp32 output, a bf16/fp16
 chunk's gradient products are the half-precision GEMM's, rounded once each before the fp32 accumulation
-(``_Grads``).
+(``_Grads``), through two weight-sized buffers reused by every chunk (the product in the compute dtype and in
+fp32).
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class _Grads:
         self.hidden = torch.zeros(hidden.shape, **f32) if needs[0] else None
         self.weight = torch.zeros(w.shape, **f32) if needs[1] else None
         self.bias = torch.zeros(w.shape[0], **f32) if needs[2] else None
+        self._product = self._product32 = None  # CPU half-precision weight products (fold)
 
     def fold(self, grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, lo: int, hi: int) -> None:
         mixed = _mixed_mm(grad)
@@ -135,8 +137,13 @@ class _Grads:
                 self.weight.addmm_(grad.t(), h)
             elif mixed:
                 torch.addmm(self.weight, grad.t(), h, out_dtype=torch.float32, out=self.weight)
-            else:
-                self.weight += torch.mm(grad.t(), h)
+            else:  # into chunk-reused buffers: a fresh [V, H] product per chunk, and torch's mixed-dtype add_
+                # (6x slower on CPU than a copy and an fp32 add), would cost more than the GEMM
+                if self._product is None:
+                    self._product = torch.empty(self.weight.shape, dtype=grad.dtype, device=grad.device)
+                    self._product32 = torch.empty_like(self.weight)
+                torch.mm(grad.t(), h, out=self._product)
+                self.weight += self._product32.copy_(self._product)
         if self.bias is not None:
             self.bias += grad.sum(dim=0, dtype=torch.float32)
 

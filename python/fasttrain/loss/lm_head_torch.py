@@ -66,8 +66,14 @@ def _transform(logits, head: HeadTransform, scratch, keep_tanh: bool):
 
 
 def _minus(z, logits, row_value, out):
-    """``z - row_value`` (fp32): in place in a buffer of ours, else into ``out``."""
-    return torch.sub(z, row_value.unsqueeze(1), out=out) if z is logits else z.sub_(row_value.unsqueeze(1))
+    """``z - row_value`` (fp32): in place in a buffer of ours, else into ``out``. From bf16/fp16 logits, a copy
+    into ``out`` then an in-place subtraction: torch's mixed-dtype ``sub(out=)`` was 6x slower on CPU (74 ms
+    against 12 ms for 256 x 151,936 values)."""
+    if z is not logits:
+        return z.sub_(row_value.unsqueeze(1))
+    if out is logits or out.dtype == z.dtype:
+        return torch.sub(z, row_value.unsqueeze(1), out=out)
+    return out.copy_(z).sub_(row_value.unsqueeze(1))
 
 
 def _row_dot(a, b, scratch) -> torch.Tensor:
