@@ -17,7 +17,7 @@ over speculation; > 1: the speculation wins), and whether the two gradients are 
     python benchmarks/bench_loss_speculation.py          # writes benchmarks/results/loss_speculation_cpu.{json,md}
     python benchmarks/bench_loss_speculation.py --tokens 256 --reps 2   # quick look
     python benchmarks/bench_loss_speculation.py --device cuda --tokens 8192 --hidden 2048 --vocab 151936 \
-        --name loss_speculation_gpu                      # the GPU step (Triton kernels)
+        --reps 10 --name loss_speculation_gpu --out DIR  # benchmarks/gpu/run.sh's speculation step (Triton kernels)
 """
 
 from __future__ import annotations
@@ -108,7 +108,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--name", default="loss_speculation_cpu")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for NAME.json and NAME.md")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
     rows = [
         _measure(case, dtype, args) for case in ("ce", "trl_sft", "frozen_head") for dtype in ("fp32", "bf16")
     ]
@@ -125,8 +128,8 @@ def main() -> None:
         "shape": {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "ignored": "1 in 5"},
         "reps": args.reps,
     }  # fmt: skip
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = [
         f"# Chunked-head speculation vs exact recompute ({args.device})",
         "",
@@ -140,7 +143,7 @@ def main() -> None:
             for r in rows
         ),
     ]
-    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -1,6 +1,6 @@
 """benchmarks/gpu/run.sh: the time budget of the one GPU call, and --only / --skip (no GPU needed: nothing runs
 a benchmark here). The GPU is lent for 15 minutes of device time, start-up included: the caps plus each step's
-kill grace must stay under 8 minutes so that a rerun of the failed steps still fits."""
+kill grace must stay within one 600 s device call (570 s) so that a rerun of the failed steps still fits."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "benchmarks" / "gpu" / "run.sh"
 GPU_STEPS = [
-    "install", "environment", "hardware", "kernels", "parity", "adamw", "loss", "loss-trl", "e2e", "trl-sft",
-    "trl-dpo", "summary",
+    "install", "environment", "hardware", "kernels", "parity", "adamw", "loss", "loss-trl", "loss-speculation", "e2e",
+    "packing", "trl-sft", "trl-dpo", "summary",
 ]  # fmt: skip
 
 
@@ -31,13 +31,13 @@ def listed(stdout: str) -> tuple[list[str], int]:
     return steps, total
 
 
-def test_gpu_caps_plus_kill_grace_fit_in_8_minutes():
+def test_gpu_caps_plus_kill_grace_fit_in_one_device_call():
     proc = run("--budget")
     assert proc.returncode == 0, proc.stderr
     steps, total = listed(proc.stdout)
     assert steps == GPU_STEPS  # every step of the GPU run has a cap and is counted
     caps = [int(c) + int(g) for c, g in re.findall(r"(\d+) s \+ (\d+) s grace", proc.stdout)]
-    assert total == sum(caps) <= 480
+    assert total == sum(caps) <= 570
 
 
 def test_only_and_skip_select_steps():

@@ -66,9 +66,9 @@ def _model(kind: str, attention: str, dtype=torch.float32, seed: int = 0, wide_w
     return model.train()
 
 
-def _packed(examples):
+def _packed(examples, flash: bool = False):
     collator = fasttrain.DataCollatorForSeq2Seq(tiny.tokenizer(), padding=True)
-    batch = packing.PackingCollator(collator, flash=False)([dict(e) for e in examples])
+    batch = packing.PackingCollator(collator, flash=flash)([dict(e) for e in examples])
     assert isinstance(batch, packing.PackedBatch)
     return batch
 

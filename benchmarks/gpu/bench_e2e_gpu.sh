@@ -4,23 +4,30 @@
 # with use_liger_kernel=True when liger_kernel is installed, and fasttrain.Trainer — two alternating
 # repetitions each, each run in its own process. Sized to finish in under 2 minutes on one H200 (run.sh's cap).
 #
-#   bash benchmarks/gpu/bench_e2e_gpu.sh [--out DIR] [--smoke]
+# --packing measures instead what variable-length data gives (issue 18): log-normal example lengths (median
+# 180 tokens, up to 4,096) in batches of 16, ungrouped, sdpa attention: transformers.Trainer padded (the
+# reference), fasttrain.Trainer (packed rows where they cost no more than the padded batch) and fasttrain.Trainer
+# with packing switched off (--ablate packing), one repetition each; peak GPU memory beside tokens/s.
 #
-# Writes DIR/bench_e2e_gpu.{json,md,png} (DIR defaults to benchmarks/results/): GPU name, versions, date
-# and the exact command are inside. --smoke runs the same script on CPU at a tiny size (no GPU needed),
-# to check that it runs through; it writes bench_e2e_gpu_smoke.* instead.
+#   bash benchmarks/gpu/bench_e2e_gpu.sh [--packing] [--out DIR] [--smoke]
+#
+# Writes DIR/bench_e2e_gpu.{json,md,png} (bench_packing_gpu.* with --packing; DIR defaults to
+# benchmarks/results/): GPU name, versions, date and the exact command are inside. --smoke runs the same script
+# on CPU at a tiny size (no GPU needed), to check that it runs through; it writes NAME_smoke.* instead.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 out=benchmarks/results
 smoke=0
+packing=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) out="$2"; shift 2 ;;
         --out=*) out="${1#--out=}"; shift ;;
         --smoke) smoke=1; shift ;;
-        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
-        *) echo "bench_e2e_gpu.sh: unknown option $1 (use --out DIR, --smoke)" >&2; exit 2 ;;
+        --packing) packing=1; shift ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        *) echo "bench_e2e_gpu.sh: unknown option $1 (use --packing, --out DIR, --smoke)" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$out"
@@ -28,7 +35,20 @@ python=${PYTHON:-python3}  # the GPU machine has python3, not python
 # The GPU machine has no network: never wait on the hub.
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-if [ "$smoke" = 1 ]; then
+if [ "$packing" = 1 ]; then
+    name=bench_packing_gpu
+    # Lengths drawn like instruction data; packing's share is the fasttrain run against its own ablation.
+    # Batch 16: with 2 (the e2e default) a padded batch wastes little and packing has little to win.
+    args=(--lengths lognormal --no-group-by-length --ablate packing --repeats 1)
+    if [ "$smoke" = 1 ]; then
+        name=${name}_smoke
+        args+=(--device cpu --model tiny --steps 3 --warmup-steps 1 --seq-len 128 --batch-size 4)
+    else
+        "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+            || { echo "bench_e2e_gpu.sh: no CUDA device (use --smoke to check the script on CPU)" >&2; exit 2; }
+        args+=(--device cuda --model qwen3-0.6b --bf16 --seq-len 4096 --batch-size 16 --steps 8 --warmup-steps 2)
+    fi
+elif [ "$smoke" = 1 ]; then
     name=bench_e2e_gpu_smoke
     args=(--device cpu --model tiny --steps 3 --warmup-steps 1 --seq-len 64 --batch-size 2 --repeats 1)
 else

@@ -53,6 +53,12 @@ def _bench(path: Path) -> str:
         if worst.get("metric"):
             part += f", max metric diff {worst['max_rel']:.1e} ({worst['metric']})"
         parts.append(part)
+    for path_name, share in (data.get("shares") or {}).items():
+        status = ((data.get("fasttrain") or {}).get("hot_paths") or {}).get(path_name, "?")
+        parts.append(
+            f"{path_name} ({status}) {share['speedup']:.2f}x tokens/s and {share['peak_memory_ratio']:.2f}x peak memory "
+            "of fasttrain without it"
+        )
     for name, error in data.get("failed", {}).items():
         last = [line for line in error.splitlines() if line.strip()][-1:] or [""]
         parts.append(f"{name} FAILED: {last[0].strip()[:120]}")
@@ -121,6 +127,17 @@ def _loss(path: Path) -> str:
     return "; ".join(parts) + " (% of the roofline)"
 
 
+def _speculation(path: Path) -> str:
+    """Per case and dtype: the exact recompute's time over the speculation's (> 1: the speculation wins)."""
+    rows = json.loads(path.read_text())["rows"]
+    cells = [
+        f"{r['case']} {r['dtype']} {r['recompute_over_speculation']:.2f}x"
+        + (" (bitwise equal)" if r["hidden_grad_bitwise_equal"] else "")
+        for r in rows
+    ]
+    return "recompute / speculation: " + ", ".join(cells)
+
+
 def _compile(path: Path) -> str:
     done = json.loads(_last_line(path))
     return f"{done['done'] - done['failed']} of {done['done']} kernel variants compiled for sm_90"
@@ -137,6 +154,11 @@ HEADLINES = {
     "kernels": [("kernels.xml", _junit)],
     "parity": [("parity_gpu.json", _parity), ("parity_gpu_smoke.json", _parity)],
     "e2e": [("bench_e2e_gpu.json", _bench), ("bench_e2e_gpu_smoke.json", _bench)],
+    "packing": [("bench_packing_gpu.json", _bench), ("bench_packing_gpu_smoke.json", _bench)],
+    "loss-speculation": [
+        ("loss_speculation_gpu.json", _speculation),
+        ("loss_speculation_smoke.json", _speculation),
+    ],
     "trl-sft": [("bench_sft_gpu.json", _bench), ("bench_sft_gpu_smoke.json", _bench)],
     "trl-dpo": [("bench_dpo_gpu.json", _bench), ("bench_dpo_gpu_smoke.json", _bench)],
     "hardware": [("hardware.json", _hardware), ("hardware_smoke.json", _hardware)],
