@@ -70,19 +70,47 @@ def row_ids(input_ids: torch.Tensor) -> list[int]:
     return [int(a - 2) * 200 + int(b - 2) for a, b in input_ids[:, :2].tolist()]
 
 
+def batch_rows(inputs: dict) -> tuple[list[int], int]:
+    """The row indices a training batch holds and its real tokens, padded (one example per row, an
+    attention_mask) or packed by fasttrain (one row, no mask, position_ids restarting at each example)."""
+    ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+    if mask is not None or "position_ids" not in inputs:
+        return row_ids(ids), int(mask.sum()) if mask is not None else ids.numel()
+    starts = (inputs["position_ids"][0] == 0).nonzero().flatten().tolist()
+    return row_ids(torch.stack([ids[0, starts], ids[0, [s + 1 for s in starts]]], dim=1)), ids.shape[1]
+
+
 def recording(base: type) -> type:
-    """``base`` (a Trainer class) that records the row indices (``row_ids``) each epoch's training steps saw,
-    in ``rows_by_epoch``: the distributed tests check every example is seen exactly once per epoch."""
+    """``base`` (a Trainer class) that records the row indices (``batch_rows``) each epoch's training steps saw,
+    in ``rows_by_epoch``, and each batch's real tokens in ``batch_tokens``: the distributed tests check every
+    example is seen exactly once per epoch."""
 
     class Recording(base):
         rows_by_epoch: dict[int, list[int]]
+        batch_tokens: list[int]
 
         def training_step(self, model, inputs, *args, **kwargs):
             epoch = int(self.state.epoch or 0)
-            self.rows_by_epoch.setdefault(epoch, []).extend(row_ids(inputs["input_ids"]))
+            rows, tokens = batch_rows(inputs)
+            self.rows_by_epoch.setdefault(epoch, []).extend(rows)
+            self.__dict__.setdefault("batch_tokens", []).append(tokens)
             return super().training_step(model, inputs, *args, **kwargs)
 
     return Recording
+
+
+def record_forwards(trainer) -> None:
+    """What ``recording`` records, read at the model's training forwards instead (a pre-hook), so that the
+    Trainer's own ``training_step`` stays unoverridden and fasttrain may pack its batches."""
+
+    def record(module, args, kwargs):
+        if module.training:
+            rows, tokens = batch_rows(kwargs)
+            trainer.rows_by_epoch.setdefault(int(trainer.state.epoch or 0), []).extend(rows)
+            trainer.batch_tokens.append(tokens)
+
+    trainer.rows_by_epoch, trainer.batch_tokens = {}, []
+    trainer.model.register_forward_pre_hook(record, with_kwargs=True)
 
 
 def training_args(out: str, **overrides) -> transformers.TrainingArguments:

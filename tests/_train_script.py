@@ -2,6 +2,7 @@
 
 usage: python tests/_train_script.py OUT_DIR [--trainer fasttrain|reference] [--kill-at-save STEP]
        [--max-steps N] [--save-steps N] [--resume CKPT] [--group-by-length] [--record] [--float64]
+       [--max-tokens-per-batch N]
 
 Writes OUT_DIR/result-rank{R}.json: per-step loss and grad_norm, the rows each rank trained on per epoch
 (--record), a checksum of the final weights, and the hot-path status. ``--float64`` trains the float64 twin of
@@ -45,10 +46,13 @@ def main() -> None:
     p.add_argument("--group-by-length", action="store_true")
     p.add_argument("--rows", type=int, default=48)
     p.add_argument("--float64", action="store_true")
+    p.add_argument("--max-tokens-per-batch", type=int)
     a = p.parse_args()
 
     base = fasttrain.Trainer if a.trainer == "fasttrain" else transformers.Trainer
-    cls = tiny.recording(base)
+    # a token budget is checked with packing on: the rows are read at the model's forward (a training_step of the
+    # test's own would keep fasttrain's batches padded)
+    cls = base if a.max_tokens_per_batch else tiny.recording(base)
     tok = tiny.tokenizer()
     overrides = dict(
         max_steps=a.max_steps if a.epochs is None else -1,
@@ -62,6 +66,7 @@ def main() -> None:
     if a.group_by_length:
         overrides["train_sampling_strategy"] = "group_by_length"
     model = tiny.model("llama")
+    budget = {"max_tokens_per_batch": a.max_tokens_per_batch} if a.max_tokens_per_batch else {}
     trainer = cls(
         model=_truth.float64_twin(model) if a.float64 else model,
         args=tiny.training_args(a.out, **overrides),
@@ -69,14 +74,19 @@ def main() -> None:
         data_collator=transformers.DataCollatorForSeq2Seq(tok, padding=True),
         processing_class=tok,
         callbacks=[KillAtSave(a.kill_at_save)] if a.kill_at_save else None,
+        **budget,
     )
-    trainer.rows_by_epoch = {}
+    if a.max_tokens_per_batch:
+        tiny.record_forwards(trainer)
+    else:
+        trainer.rows_by_epoch = {}
     trainer.train(resume_from_checkpoint=a.resume)
     rank = trainer.args.process_index
     weights = {n: p.detach().double().sum().item() for n, p in trainer.model.named_parameters()}
     result = {
         "logs": tiny.step_logs(trainer),
         "rows_by_epoch": trainer.rows_by_epoch,
+        "batch_tokens": getattr(trainer, "batch_tokens", []),
         "weights": weights,
         "status": getattr(trainer, "fasttrain_status", {}),
         "world_size": trainer.args.world_size,

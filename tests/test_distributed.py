@@ -86,3 +86,27 @@ def test_ddp_accelerate_launch(tmp_path, reference_run):
                 "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", _free_port(),
                 str(SCRIPT)]
     _check(_launch(launcher, tmp_path, "fasttrain"), reference_run)
+
+
+BUDGET = 96  # tokens per rank per batch: 2-5 of the dataset's examples (6-40 tokens each)
+
+
+def test_ddp_token_budget_batches(tmp_path):
+    """fasttrain.Trainer(max_tokens_per_batch=N) on two real gloo ranks: every example once per epoch across the
+    ranks, each batch within the budget, the same number of steps on both ranks (else DDP would hang or drop
+    work), identical weights at the end, and the batches packed where packing pays."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [*_torchrun(), str(tmp_path), "--trainer", "fasttrain", "--epochs", str(EPOCHS), "--rows", "47",
+           "--max-tokens-per-batch", str(BUDGET)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    results = [json.loads((tmp_path / f"result-rank{r}.json").read_text()) for r in range(2)]
+    for epoch in range(EPOCHS):
+        seen = [row for r in results for row in r["rows_by_epoch"][str(epoch)]]
+        assert sorted(seen) == list(range(47)), f"epoch {epoch}: rows seen {sorted(seen)}"
+    assert len(results[0]["batch_tokens"]) == len(results[1]["batch_tokens"]) > 0
+    for r in results:
+        assert max(r["batch_tokens"]) <= BUDGET, r["batch_tokens"]
+        assert len(r["logs"]) == len(results[0]["logs"])
+    assert results[0]["weights"] == results[1]["weights"], "ranks ended on different weights"
+    assert results[0]["status"]["packing"] == "on", results[0]["status"]
