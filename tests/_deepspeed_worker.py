@@ -22,10 +22,7 @@ FusedAdamW applied). Needs DS_ACCELERATOR=cpu (the launcher sets it). A run that
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import os
-import traceback
 from pathlib import Path
 
 import deepspeed
@@ -35,6 +32,7 @@ import transformers
 from accelerate.state import AcceleratorState, PartialState
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+import _engine_worker as engine  # beside this file
 import _tiny as tiny  # beside this file: a script's own directory is on sys.path
 import fasttrain
 
@@ -83,13 +81,6 @@ def _distributed_state() -> PartialState:
         state.process_index = dist.get_rank()
         state.local_process_index = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
     return state
-
-
-def _innermost_optimizer(optimizer):
-    # Accelerate's wrapper -> DeepSpeed's wrapper -> the ZeRO optimizer -> the optimizer that steps partitions
-    while getattr(optimizer, "optimizer", None) is not None:
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 SAVE_STEP = 4  # fasttrain-save checkpoints here; fasttrain-resume resumes from it
@@ -161,7 +152,6 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
     initial_checksum = sum(p.detach().double().sum().item() for p in model.parameters())
     lm_head_calls = [0]
     model.lm_head.register_forward_hook(lambda *_: lm_head_calls.__setitem__(0, lm_head_calls[0] + 1))
-    tok = tiny.tokenizer()
     args = tiny.training_args(
         str(Path(a.out) / run),
         use_cpu=False,  # use_cpu switches DeepSpeed off; DS_ACCELERATOR=cpu keeps everything on the CPU
@@ -177,34 +167,14 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
         accelerator_config={"use_configured_state": True},  # the process state _distributed_state corrected
         bf16=spec["bf16"],
     )
-    trainer = tiny.recording(transformers.Trainer)(
-        model=model,
-        args=args,
-        train_dataset=tiny.dataset(n=a.rows, with_length=True),
-        data_collator=transformers.DataCollatorForSeq2Seq(tok, padding=True),
-        processing_class=tok,
-    )
-    trainer.rows_by_epoch = {}
+    trainer = engine.recorded_trainer(model, args, a.rows)
     checkpoint = Path(a.out, run.replace("-resume", "-save"), f"checkpoint-{SAVE_STEP}")
     trainer.train(resume_from_checkpoint=str(checkpoint) if spec["resume"] else None)
-    inner = _innermost_optimizer(trainer.optimizer)
     return {
-        "initial_checksum": initial_checksum,
-        "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
-        "logs": tiny.step_logs(trainer),
-        "rows_by_epoch": trainer.rows_by_epoch,
-        "status": dict(getattr(trainer, "fasttrain_status", {})),
-        "world_size": trainer.args.world_size,
-        "distributed_type": str(trainer.accelerator.distributed_type),
+        **engine.shared_result(trainer, model, initial_checksum, lm_head_calls[0]),
         "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage,
-        "lm_head_calls": lm_head_calls[0],
         # outside the forward a ZeRO-3 weight is an empty placeholder (its ds_shape is the real one)
         "lm_head_numel_after_training": trainer.model.lm_head.weight.numel(),
-        "inner_optimizer": f"{type(inner).__module__}.{type(inner).__qualname__}",
-        "inner_optimizer_states": len(inner.state),
-        "inner_state_keys": sorted({k for state in inner.state.values() for k in state}),
-        "deferred_clips_applied": getattr(inner, "deferred_clips_applied", None),
-        "weights_dtype": str(next(trainer.model.parameters()).dtype),
     }
 
 
@@ -217,17 +187,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=32)
     a = p.parse_args()
     rank = _distributed_state().process_index
-    for run in a.runs.split(","):
-        try:
-            result = train_once(run, a)
-        except Exception as err:  # the test reports it (a crash of one run must not hide the others' results)
-            result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
-        Path(a.out, f"{run}-rank{rank}.json").write_text(json.dumps(result))
-        gc.collect()
-    fasttrain.unpatch()
-    if dist.is_initialized():
-        dist.barrier()  # gloo can abort a rank at interpreter shutdown while another still communicates
-        dist.destroy_process_group()
+    engine.run_each(a.out, a.runs.split(","), rank, lambda run: train_once(run, a))
 
 
 if __name__ == "__main__":

@@ -37,10 +37,7 @@ optimizer's class, state and parameter types). A run that raises writes its erro
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import os
-import traceback
 from pathlib import Path
 
 import torch
@@ -49,6 +46,7 @@ import transformers
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
 
+import _engine_worker as engine  # beside this file
 import _tiny as tiny  # beside this file: a script's own directory is on sys.path
 import fasttrain
 
@@ -180,12 +178,6 @@ def _mesh(params) -> dict:
     }
 
 
-def _innermost_optimizer(optimizer):
-    while getattr(optimizer, "optimizer", None) is not None:
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
 def train_once(run: str, a: argparse.Namespace) -> dict:
     spec = RUNS[run]
     patched, dtype = spec["patched"], spec["dtype"]
@@ -206,7 +198,6 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
     counter = UnshardCounter()
     # a tied weight is named once, by its first owner (the embedding)
     counter.install(model, "model.embed_tokens.weight" if spec["tied"] else "lm_head.weight")
-    tok = tiny.tokenizer()
     fsdp_config = {
         "version": 2,
         "transformer_layer_cls_to_wrap": ["Qwen3DecoderLayer"],
@@ -235,42 +226,23 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
         accelerator_config={"use_configured_state": True},
         **hybrid,
     )
-    trainer = tiny.recording(transformers.Trainer)(
-        model=model,
-        args=args,
-        train_dataset=tiny.dataset(n=a.rows, with_length=True),
-        data_collator=transformers.DataCollatorForSeq2Seq(tok, padding=True),
-        processing_class=tok,
-    )
-    trainer.rows_by_epoch = {}
+    trainer = engine.recorded_trainer(model, args, a.rows)
     checkpoint = Path(a.out, run.replace("-resume", "-save"), f"checkpoint-{SAVE_STEP}")
     try:
         trainer.train(resume_from_checkpoint=str(checkpoint) if spec["resume"] else None)
     finally:
         counter.uninstall()
-    inner = _innermost_optimizer(trainer.optimizer)
+    inner = engine.innermost_optimizer(trainer.optimizer)
     params = [p for group in inner.param_groups for p in group["params"]]
     return {
-        "initial_checksum": initial_checksum,
-        "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
-        "logs": tiny.step_logs(trainer),
-        "rows_by_epoch": trainer.rows_by_epoch,
-        "status": dict(getattr(trainer, "fasttrain_status", {})),
-        "world_size": trainer.args.world_size,
-        "distributed_type": str(trainer.accelerator.distributed_type),
+        **engine.shared_result(trainer, model, initial_checksum, lm_head_calls[0]),
         "is_fsdp2": bool(getattr(trainer.accelerator, "is_fsdp2", False)),
         "model_class": type(trainer.model).__name__,
-        "lm_head_calls": lm_head_calls[0],
         "forwards": counter.forwards,
         "head_unshards": counter.unshards,
         "unshards_by_group": counter.by_group,
-        "inner_optimizer": f"{type(inner).__module__}.{type(inner).__qualname__}",
-        "inner_optimizer_states": len(inner.state),
-        "inner_state_keys": sorted({k for state in inner.state.values() for k in state}),
         "param_types": sorted({type(p).__name__ for p in params}),
         "state_types": sorted({type(v).__name__ for s in inner.state.values() for v in s.values()}),
-        "deferred_clips_applied": getattr(inner, "deferred_clips_applied", None),
-        "weights_dtype": str(next(trainer.model.parameters()).dtype),
         "weights_device": str(next(trainer.model.parameters()).device),
         "offload_policy": type(trainer.accelerator.state.fsdp_plugin.cpu_offload).__name__,
         "mesh": _mesh(params),
@@ -306,17 +278,12 @@ def main() -> None:
     a = p.parse_args()
     rank = fsdp_process_state().process_index
     _cpu_offload_without_pinning()
-    for run in a.runs.split(","):
-        try:
-            result = probe_supported_settings(PROBES[run]) if run in PROBES else train_once(run, a)
-        except Exception as err:  # the test reports it (a crash of one run must not hide the others' results)
-            result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
-        Path(a.out, f"{run}-rank{rank}.json").write_text(json.dumps(result))
-        gc.collect()
-    fasttrain.unpatch()
-    if dist.is_initialized():
-        dist.barrier()  # gloo can abort a rank at interpreter shutdown while another still communicates
-        dist.destroy_process_group()
+    engine.run_each(
+        a.out,
+        a.runs.split(","),
+        rank,
+        lambda run: probe_supported_settings(PROBES[run]) if run in PROBES else train_once(run, a),
+    )
 
 
 if __name__ == "__main__":
