@@ -22,14 +22,7 @@ class BatchLog:
     def _record(self, module, args, kwargs):
         if not module.training:
             return
-        ids, mask, positions = kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids")
-        if mask is not None:  # padded: one example per row
-            self.batches.append((_tiny.row_ids(ids), int(mask.sum())))
-        else:  # packed: one row, positions restart at each example
-            starts = (positions[0] == 0).nonzero().flatten().tolist()
-            self.batches.append(
-                ([int(ids[0, s] - 2) * 200 + int(ids[0, s + 1] - 2) for s in starts], ids.shape[1])
-            )
+        self.batches.append(_tiny.batch_rows(kwargs))
 
 
 def _train(tmp_path, budget: int, n: int = 30, epochs: int = 2, **overrides):

@@ -35,6 +35,11 @@ python=${PYTHON:-python3}  # the GPU machine has python3, not python
 # The GPU machine has no network: never wait on the hub.
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
+if [ "$smoke" = 0 ]; then
+    "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+        || { echo "bench_e2e_gpu.sh: no CUDA device (use --smoke to check the script on CPU)" >&2; exit 2; }
+fi
+
 if [ "$packing" = 1 ]; then
     name=bench_packing_gpu
     # Lengths drawn like instruction data; packing's share is the fasttrain run against its own ablation.
@@ -44,8 +49,6 @@ if [ "$packing" = 1 ]; then
         name=${name}_smoke
         args+=(--device cpu --model tiny --steps 3 --warmup-steps 1 --seq-len 128 --batch-size 4)
     else
-        "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
-            || { echo "bench_e2e_gpu.sh: no CUDA device (use --smoke to check the script on CPU)" >&2; exit 2; }
         args+=(--device cuda --model qwen3-0.6b --bf16 --seq-len 4096 --batch-size 16 --steps 8 --warmup-steps 2)
     fi
 elif [ "$smoke" = 1 ]; then
@@ -53,8 +56,6 @@ elif [ "$smoke" = 1 ]; then
     args=(--device cpu --model tiny --steps 3 --warmup-steps 1 --seq-len 64 --batch-size 2 --repeats 1)
 else
     name=bench_e2e_gpu
-    "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
-        || { echo "bench_e2e_gpu.sh: no CUDA device (use --smoke to check the script on CPU)" >&2; exit 2; }
     # Two warm-up steps absorb Triton compilation (fasttrain's and Liger's kernels) in the first repetition;
     # 8 steps keep 6 timed ones. Most of each run is process start and model set-up, not steps.
     args=(--device cuda --model qwen3-0.6b --bf16 --seq-len 4096 --batch-size 2 --steps 8 --warmup-steps 2

@@ -5,15 +5,15 @@ loss spans many vocabulary blocks), the same prompt-masked data of varied length
 arguments (gradient accumulation 2, clipping at 1.0, group_by_length); only the Trainer class differs. A third
 case, fp32 without group_by_length, has batches of mixed lengths that fasttrain packs into one padding-free row
 (sdpa with the packed-sequence mask; issue 18) while the reference pads: it checks that packing on the GPU leaks
-no attention across examples and keeps the loss's denominator. For each case it compares, at every optimizer step, the logged loss and grad_norm, and at the end the parameters,
-as the norm of their difference relative to the norm of the reference's total update (Adam normalises each
+no attention across examples and keeps the loss's denominator. For each case it compares, at every optimizer
+step, the logged loss and grad_norm, and at the end the parameters, as the norm of their difference relative to the norm of the reference's total update (Adam normalises each
 update, so rounding-level gradient differences on near-zero gradients move single tensors by update-sized
 amounts: the whole-model ratio is the meaningful one; the worst tensor is reported beside it).
 
 Passes when fp32 agrees within FP32_TOLERANCE, bf16 within BF16_TOLERANCE, and (on the GPU) every hot path the
 case is about reports "on" (grouped batches of near-equal lengths may stay padded: packing then only needs to say
-why; the packed case needs packing on and has no length-grouped sampler). Writes <out>/parity_gpu.json and .md (``parity_gpu_smoke.*`` with --smoke);
-exits 1 when a check fails.
+why; the packed case needs packing on and has no length-grouped sampler). Writes <out>/parity_gpu.json and .md
+(``parity_gpu_smoke.*`` with --smoke); exits 1 when a check fails.
 
     python benchmarks/gpu/parity_gpu.py [--out benchmarks/results] [--smoke]
 
@@ -108,13 +108,12 @@ def train(trainer_cls, size: dict, device: str, bf16: bool, out_dir: str, groupe
     net = model(size, device)
     initial = {name: p.detach().clone() for name, p in net.named_parameters()}
     fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
-    grouping = (  # transformers 5.x names it train_sampling_strategy; older releases group_by_length
-        {}
-        if not grouped
-        else {"train_sampling_strategy": "group_by_length"}
-        if "train_sampling_strategy" in fields
-        else {"group_by_length": True}
-    )
+    grouping = {}
+    if grouped:  # transformers 5.x names it train_sampling_strategy; older releases group_by_length
+        if "train_sampling_strategy" in fields:
+            grouping["train_sampling_strategy"] = "group_by_length"
+        else:
+            grouping["group_by_length"] = True
     args = transformers.TrainingArguments(
         **grouping,
         output_dir=out_dir,

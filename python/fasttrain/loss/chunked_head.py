@@ -97,12 +97,6 @@ class Scratch:
         return buf[:numel].view(shape)
 
 
-def _mixed_mm(a: torch.Tensor) -> bool:
-    """Whether ``a @ b`` can be had in fp32 from ``a``'s dtype without a copy of the operands: fp32 itself, or
-    bf16/fp16 on CUDA (torch >= 2.8's ``out_dtype``). CPU has no such matmul."""
-    return a.dtype == torch.float32 or (_CUDA_MIXED_ADDMM and a.is_cuda)
-
-
 class _Grads:
     """fp32 accumulators of the hidden, weight and bias gradients over the chunks of one pass.
 
@@ -124,7 +118,8 @@ class _Grads:
         self._product = self._product32 = None  # CPU half-precision weight products (fold)
 
     def fold(self, grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, lo: int, hi: int) -> None:
-        mixed = _mixed_mm(grad)
+        # bf16/fp16 operands with an fp32 output: CUDA only (torch >= 2.8's out_dtype); CPU has no such matmul
+        mixed = _CUDA_MIXED_ADDMM and grad.is_cuda
         if self.hidden is not None:
             if grad.dtype == torch.float32:
                 torch.mm(grad, w, out=self.hidden[lo:hi])
