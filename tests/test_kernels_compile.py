@@ -1,8 +1,8 @@
 """Every Triton kernel compiles for an H100/H200 (sm_90) on this CPU machine, in every variant the package launches.
 
 The interpreter runs the kernels' Python, not Triton's compiler: type errors that only the compiler sees (a loop
-variable int32 in one branch and int64 in the other, say) would otherwise surface on the GPU machine first, in its
-few lent minutes. Triton's compiler and ptxas run without a GPU. The list of kernels and variants is
+variable int32 in one branch and int64 in the other, say) would otherwise surface only on a GPU, in the middle of
+a GPU run. Triton's compiler and ptxas run without a GPU. The list of kernels and variants is
 tests/_kernel_variants.py; these tests fail when kernels/ gains an entry point or a constexpr it does not list.
 """
 

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import roofline
 import torch
+from timing import Timer
 
 from fasttrain import FusedAdamW
 from fasttrain.kernels import adamw as kernels
@@ -132,23 +133,6 @@ def variants(dtype, peers: bool):
         except Exception:
             pass
     return out
-
-
-class Timer:
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
 
 
 def make_params(shapes, dtype, device):
@@ -419,7 +403,7 @@ def main() -> None:
         device = torch.device("cuda")
         models = {k: MODELS[k] for k in args.models.split(",")}
         reps, warmup = args.reps, args.warmup
-    timer = Timer(device)
+    timer = Timer(device, unit="ms")
 
     check = correctness(device, args.smoke)  # correctness first
     print(json.dumps(check), flush=True)

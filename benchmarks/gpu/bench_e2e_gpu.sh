@@ -2,7 +2,7 @@
 # End-to-end training throughput on one GPU: `fasttrain bench --device cuda` on the Qwen3-0.6B shape in
 # bf16 at sequence length 4,096 — transformers.Trainer (default optim adamw_torch_fused), the same Trainer
 # with use_liger_kernel=True when liger_kernel is installed, and fasttrain.Trainer — two alternating
-# repetitions each, each run in its own process. Sized to finish in under 2 minutes on one H200 (run.sh's cap).
+# repetitions each, each run in its own process. Sized for run.sh's caps of its e2e and packing steps on one H200.
 #
 # --packing measures instead what variable-length data gives (issue 18): log-normal example lengths (median
 # 180 tokens, up to 4,096) in batches of 16, ungrouped, sdpa attention: transformers.Trainer padded (the

@@ -60,6 +60,7 @@ if "--smoke" in sys.argv and os.environ.get("TRITON_INTERPRET") is None:
 
 import roofline
 import torch
+from timing import Timer
 
 IMPLS = ("torch", "torch_compile", "liger", "cce", "fasttrain")
 TRL_IMPLS = ("plain", "trl", "liger", "fasttrain")
@@ -175,23 +176,6 @@ def check_trl(case: str, backend: str, hidden, weight, labels) -> dict:
         }
         for impl, outs in got.items()
     }
-
-
-class Timer:
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
 
 
 def run_shape(tokens, hidden_size, vocab, impls, fns, device, reps, deadline, check=None, roof=None):

@@ -1,11 +1,13 @@
 """What the GPU run ran on: the GPU, the driver, Python, glibc, every package that matters and where it came
-from (the image or the carried wheels), and whether the carried wheels' requirements hold there.
+from (preinstalled on the machine, or one of the wheels run.sh installed from .whl/), and whether those wheels'
+requirements hold there.
 
     python benchmarks/gpu/environment.py --out DIR [--site SITE_DIR] [--smoke]
 
 Writes DIR/environment.json and DIR/environment.md. Exits 1 when something the run needs does not import
 (fasttrain, its native module and kernels, trl, datasets; liger_kernel too on a GPU): the steps after it
-would only fail the same way. A carried wheel whose requirement the image does not meet is reported, not fatal.
+would only fail the same way. A wheel whose requirement the preinstalled packages do not meet is reported, not
+fatal.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def _gpu() -> dict:
 
 
 def _requirement_problems(site: Path) -> list[str]:
-    """Each carried wheel's requirements (no extras) against what this interpreter sees."""
+    """Each installed wheel's requirements (no extras) against what this interpreter sees."""
     from packaging.requirements import Requirement
 
     problems = []
@@ -86,7 +88,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--site", type=Path, help="the folder the carried wheels were installed into")
+    parser.add_argument("--site", type=Path, help="the folder run.sh installed the wheels into")
     parser.add_argument("--smoke", action="store_true", help="CPU run: liger_kernel is not required")
     args = parser.parse_args()
 
@@ -99,7 +101,7 @@ def main() -> int:
             continue
         versions[name] = dist.version
         location = str(Path(dist.locate_file("")).resolve())
-        origins[name] = "carried" if site and location.startswith(site) else "image"
+        origins[name] = "wheel" if site and location.startswith(site) else "preinstalled"
     failed_imports = {}
     for module in (*REQUIRED_IMPORTS, *(() if args.smoke else ("liger_kernel",))):
         try:
@@ -133,7 +135,7 @@ def main() -> int:
         + (f", {gpu['memory_gib']} GiB, sm_{gpu['capability'].replace('.', '')}, CUDA {gpu['torch_cuda']}" if "name" in gpu else "")
         + (f"; nvidia-smi: {gpu['nvidia_smi']}" if "nvidia_smi" in gpu else ""),
         f"- Python {env['python']} ({env['executable']}), {env['glibc']}, {env['cpu_cores']} cores, {env['platform']}",
-        "- packages: " + ", ".join(f"{k} {v}" + (" (carried)" if origins[k] == "carried" else "") for k, v in versions.items()),
+        "- packages: " + ", ".join(f"{k} {v}" + (" (wheel)" if origins[k] == "wheel" else "") for k, v in versions.items()),
     ]  # fmt: skip
     for problem in env["requirement_problems"]:
         lines.append(f"- requirement not met: {problem}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Install the carried wheels (benchmarks/gpu/prepare.sh) the way the GPU machine allows: pip, no index, no
-# dependency resolution, into a folder of their own that goes first on PYTHONPATH (the image's site-packages
-# stay untouched). Used by run.sh there and by CI's replica of that machine (.ci/env-test gpu).
+# Install the wheels prepare.sh put in .whl/ without network: pip, no index, no dependency resolution, into a
+# folder of their own that goes first on PYTHONPATH (the machine's own site-packages stay untouched). Used by
+# run.sh on the GPU machine and by CI's replica of that machine (.ci/env-test gpu).
 #
 #   bash benchmarks/gpu/install_wheels.sh PYTHON WHEEL_DIR SITE_DIR
 set -euo pipefail
@@ -11,7 +11,7 @@ site=${3:?usage: install_wheels.sh PYTHON WHEEL_DIR SITE_DIR}
 shopt -s nullglob
 files=("$wheels"/*.whl)
 if [ ${#files[@]} -eq 0 ]; then
-    echo "install_wheels.sh: no wheels in $wheels (run benchmarks/gpu/prepare.sh on the CPU machine)" >&2
+    echo "install_wheels.sh: no wheels in $wheels (run benchmarks/gpu/prepare.sh first, on a machine with network and cargo)" >&2
     exit 1
 fi
 rm -rf "$site"

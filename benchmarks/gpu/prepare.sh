@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Run on the CPU machine (cargo and PyPI at hand) before a GPU session: fills one git-ignored folder with
-# everything benchmarks/gpu/run.sh installs on the GPU machine, which has no cargo and no network:
+# Step 1 of the GPU run, on any Linux x86_64 machine with network access and a Rust toolchain (cargo): fills
+# one git-ignored folder with everything benchmarks/gpu/run.sh installs on the GPU machine, which needs
+# neither network nor cargo:
 #
 #   - fasttrain's abi3 wheel (release build; one wheel serves Python 3.10+, the GPU machine has 3.12);
-#   - the pure-Python wheels that machine's image lacks, for Python 3.12, no torch (benchmarks/gpu/wheels.txt).
+#   - the pure-Python wheels the GPU machine lacks, for Python 3.12, no torch (benchmarks/gpu/wheels.txt).
 #
 #   bash benchmarks/gpu/prepare.sh [--dest DIR]      (DIR defaults to .whl, ignored by git)
 #
-# Then hand DIR to the device call (carry: [".whl"]) and run `bash benchmarks/gpu/run.sh` there.
+# Then copy the repository with DIR to the GPU machine and run `bash benchmarks/gpu/run.sh` there
+# (benchmarks/gpu/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -20,7 +22,8 @@ while [ $# -gt 0 ]; do
         *) echo "prepare.sh: unknown option $1 (use --dest DIR)" >&2; exit 2 ;;
     esac
 done
-# The device call carries at most 64 MiB of working tree in all: keep well under it.
+# The wheels are small (about 3 MiB in all, --no-deps): a folder far larger than that means a heavy wheel
+# (torch, a CUDA library) got in, which the GPU machine has already and must not be shadowed. Fail then.
 max_mib=48
 
 [ -x .venv/bin/maturin ] || bash .ci/setup

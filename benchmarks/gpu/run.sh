@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The GPU proof in one call, on the lent GPU machine (no network, no cargo), with .whl/ carried from
-# benchmarks/gpu/prepare.sh: install the carried wheels, then correctness first, then speed, every step under
-# its own time cap (timeout), so that the whole run stays within one 600 s device call on one H200 (the budget is in
-# benchmarks/gpu/README.md). A step that fails or hits its cap is recorded and the rest still run.
+# The GPU proof in one command, on a Linux machine with one NVIDIA GPU (tested target: H200) that may have no
+# network and no Rust toolchain: install the wheels benchmarks/gpu/prepare.sh put in .whl/, then correctness
+# first, then speed, every step under its own time cap (timeout). The caps are the script's time budget: a
+# whole run is designed to take under 10 minutes on one H200 (--budget prints the sum; benchmarks/gpu/README.md
+# explains each cap). A step that fails or hits its cap is recorded and the rest still run.
 #
 #   bash benchmarks/gpu/run.sh [--out DIR] [--smoke] [--archive FILE.tar.gz] [--wheels DIR]
 #                              [--only STEP,...] [--skip STEP,...]
@@ -10,17 +11,18 @@
 #
 #   --out DIR        results, logs, versions and commands (default: benchmarks/results/gpu)
 #   --smoke          the same steps on CPU at tiny sizes (Triton in its interpreter): proves the run goes through
-#   --archive FILE   also pack DIR into FILE after every step (a device call brings back at most 8 files: name
-#                    one under $OUT, and what finished is there even if the call is cut short)
-#   --wheels DIR     the carried wheels (default: .whl); installed with pip --no-index --no-deps into their own
-#                    folder first on PYTHONPATH. Without it, the current environment is used as it is.
+#   --archive FILE   also pack DIR into FILE (.tar.gz) after every step: one file to copy back, and it holds
+#                    what finished even if the run is interrupted
+#   --wheels DIR     the wheels to install (default: .whl, from prepare.sh); installed with pip --no-index
+#                    --no-deps into their own folder, first on PYTHONPATH. Without it, the current environment
+#                    is used as it is.
 #   --only STEPS     run only these steps (comma list; install, when there are wheels, and summary always run);
 #                    DIR keeps the other steps' lines and results, so a rerun of failed steps completes a run
 #   --skip STEPS     run every step but these. An unknown step name fails at once, listing the valid ones.
 #   --budget         print the caps of the steps that would run, plus the kill grace, and their sum; fail if the
 #                    sum passes 570 s (GPU caps); runs nothing
 #
-# Steps: install (the carried wheels), environment (GPU, versions, origins; fails if fasttrain, trl, ... do not
+# Steps: install (the wheels of --wheels), environment (GPU, versions, origins; fails if fasttrain, trl, ... do not
 # import), hardware (the copy bandwidth and matmul throughput the rooflines divide by), compile (--smoke only:
 # every kernel compiled for sm_90 by this Python's Triton, the GPU machine's in CI's replica), kernels (pytest
 # of .ci/suites' KERNEL_TESTS, compiled for the GPU),
@@ -56,7 +58,7 @@ while [ $# -gt 0 ]; do
         --skip) skip="${2-}"; skip_given=1; shift; [ $# -gt 0 ] && shift ;;
         --skip=*) skip="${1#--skip=}"; skip_given=1; shift ;;
         --budget) budget=1; shift ;;
-        -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
         *) echo "run.sh: unknown option $1 (use --out DIR, --smoke, --archive FILE, --wheels DIR, --only STEPS," \
                "--skip STEPS, --budget)" >&2; exit 2 ;;
     esac
@@ -71,9 +73,9 @@ else
            summary)
 fi
 # Time caps in seconds, GPU run then --smoke (2 shared CPU cores, the interpreter). Each capped step gets
-# kill_grace more seconds to exit after SIGTERM before SIGKILL. The GPU caps plus the graces add up to at most
-# 570 s (--budget checks it, and tests/test_gpu_run_options.py runs that check in CI): one device call of at most
-# 600 s, and the machine's start-up plus a rerun of failed steps (--only) inside the rest of the 15 minutes.
+# kill_grace more seconds to exit after SIGTERM before SIGKILL. The design budget: the GPU caps plus the graces
+# add up to at most max_total, 570 s (--budget checks it, and tests/test_gpu_run_options.py runs that check in
+# CI), so that a whole run, interpreter start-up and archiving included, ends within 10 minutes.
 # benchmarks/gpu/README.md explains each cap. The benchmark scripts get their own, shorter budgets below so
 # they write their results before the cap.
 kill_grace=5
