@@ -9,6 +9,8 @@ pub mod grouping;
 pub mod python;
 
 #[cfg(test)]
+mod test_rng;
+#[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod tests_budget;

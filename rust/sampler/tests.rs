@@ -1,30 +1,8 @@
 //! The sampler core against a line-by-line port of transformers' Python, on random inputs.
 
 use super::grouping::{group_by_length, megabatch_size};
+use super::test_rng::Rng;
 use crate::errors::DataError;
-
-/// SplitMix64: a tiny deterministic generator, so the tests need no extra crate.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, bound: u64) -> u64 {
-        self.next() % bound
-    }
-    fn permutation(&mut self, n: usize) -> Vec<i64> {
-        let mut p: Vec<i64> = (0..n as i64).collect();
-        for i in (1..n).rev() {
-            p.swap(i, self.below(i as u64 + 1) as usize);
-        }
-        p
-    }
-}
 
 /// transformers' `get_length_grouped_indices` after `torch.randperm`, written the obvious way.
 fn reference(

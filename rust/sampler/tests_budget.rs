@@ -1,22 +1,7 @@
 //! Token-budget batches against a plain reference written the obvious way, on random inputs.
 
 use super::budget::{budget_batches, split_for_ranks};
-
-/// SplitMix64 (as in tests.rs): deterministic random inputs without an extra crate.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, bound: u64) -> u64 {
-        self.next() % bound
-    }
-}
+use super::test_rng::Rng;
 
 /// Next fit, as a person would write it: lists of indices.
 fn reference(order: &[i64], lengths: &[i64], budget: u64) -> Vec<Vec<i64>> {
