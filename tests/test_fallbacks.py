@@ -18,6 +18,8 @@ import _tiny as tiny
 import _truth
 import fasttrain
 from fasttrain import FusedAdamW, HotPaths, integration
+from fasttrain.integration import clip as clip_path
+from fasttrain.integration import optimizer as optimizer_path
 from fasttrain.optim import options as optim_options
 
 
@@ -38,7 +40,7 @@ def clip_decision(tmp_path):
     trainer = _trainer(tmp_path)
     trainer.optimizer = types.SimpleNamespace(optimizer=FusedAdamW(trainer.model.parameters()))  # Accelerate's wrap
     trainer.accelerator = types.SimpleNamespace(distributed_type=DistributedType.NO, scaler=None, is_fsdp2=False)
-    return trainer, lambda: integration._fused_clip_target(trainer, trainer.model)
+    return trainer, lambda: clip_path._fused_clip_target(trainer, trainer.model, clipping=True)
 
 
 def test_the_fused_clip_applies_on_a_plain_run(clip_decision):
@@ -49,7 +51,7 @@ def test_the_fused_clip_applies_on_a_plain_run(clip_decision):
 @pytest.mark.parametrize(
     ("flags", "reason"),
     [
-        (dict(distributed_type=DistributedType.DEEPSPEED), "DeepSpeed clips inside its engine"),
+        # DeepSpeed is decided once, at construction (its clip hook is never installed): tests/test_deepspeed.py
         (dict(distributed_type=DistributedType.FSDP), "FSDP1 clips through its own wrapper"),
         (dict(scaler=object()), "fp16 GradScaler: Accelerate unscales the gradients before clipping"),
         (dict(distributed_type=DistributedType.XLA), "distributed type XLA is not supported by the fused clip"),
@@ -167,11 +169,11 @@ def test_optimizer_blockers(tmp_path, monkeypatch):
     # DeepSpeed itself does not run here (tests/test_deepspeed.py runs it): its flag and config decide. Without
     # an `optimizer` section FusedAdamW is DeepSpeed's client optimizer; with one, DeepSpeed's config chose.
     trainer = _trainer(tmp_path / "ds")
-    trainer.is_deepspeed_enabled = True
-    assert integration._fused_adamw_kwargs(trainer, integration.seam_of(trainer), trainer.model) is not None
-    with_section = {"optimizer": {"type": "AdamW", "params": {}}}
-    monkeypatch.setattr(integration, "_deepspeed_config", lambda trainer: with_section)
-    assert integration._fused_adamw_kwargs(trainer, integration.seam_of(trainer), trainer.model) is None
+    seam = integration.seam_of(trainer)
+    seam.deepspeed = {}  # what apply() reads from a trainer under DeepSpeed
+    assert optimizer_path.fused_adamw_kwargs(trainer, seam, trainer.model) is not None
+    seam.deepspeed = {"optimizer": {"type": "AdamW", "params": {}}}
+    assert optimizer_path.fused_adamw_kwargs(trainer, seam, trainer.model) is None
     assert trainer.fasttrain_status["optimizer"] == (
         "off: DeepSpeed's config chose the optimizer (its `optimizer` section)"
     )
@@ -181,13 +183,27 @@ def test_optim_args_reach_fused_adamw(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTTRAIN_OPTIM_ARGS", "amsgrad=true,backend=triton")
     args = tiny.training_args(str(tmp_path), optim_args="backend=torch, maximize=false")
     assert optim_options.fused_adamw_options(args) == {"amsgrad": True, "backend": "torch", "maximize": False}
-    with pytest.raises(ValueError, match="does not understand 'betas2'"):
+    with pytest.raises(ValueError, match="'betas2' is not an option of fasttrain's AdamW"):
         optim_options.fused_adamw_options(tiny.training_args(str(tmp_path), optim_args="betas2=0.9"))
     with pytest.raises(ValueError, match="amsgrad='maybe'"):
         optim_options.fused_adamw_options(tiny.training_args(str(tmp_path), optim_args="amsgrad=maybe"))
     trainer = _trainer(tmp_path, optim_args="amsgrad=true")
     trainer.train()
     assert trainer.optimizer.optimizer.param_groups[0]["amsgrad"] is True
+
+
+@pytest.mark.parametrize(
+    ("optim_args", "message"),
+    [
+        # in the user's words: the value typed, the values that exist, the optim by its name
+        ("state_dtype=9bit", r"optim_args: state_dtype='9bit': use param \(.*\), float32 or 8bit$"),
+        ("betas2=0.9", r"optim_args: 'betas2' is not an option of fasttrain's AdamW \(optim='adamw_torch_fused'\)"),
+        ("backend=cuda", r"optim_args: backend='cuda': backend: backend must be one of"),
+    ],
+)
+def test_bad_optim_args_fail_at_construction_in_the_users_terms(tmp_path, optim_args, message):
+    with pytest.raises(ValueError, match=message):
+        _trainer(tmp_path, optim="adamw_torch_fused", optim_args=optim_args)  # not at train(), after set-up
 
 
 @pytest.mark.parametrize("max_grad_norm", [0.0, 0.5])

@@ -19,6 +19,7 @@ import _tiny as tiny
 import fasttrain
 from fasttrain import _native
 from fasttrain.data import packing
+from fasttrain.integration import packing_policy
 
 
 def _examples(lengths, seed=0, eos_inside=False, prompt_masked=True):
@@ -213,23 +214,23 @@ def test_native_pack_errors_name_the_key():
 
 def test_collator_and_model_problems_name_the_cause():
     tok = tiny.tokenizer()
-    assert packing.collator_problem(fasttrain.DataCollatorForSeq2Seq(tok)) is None
+    assert packing_policy.collator_problem(fasttrain.DataCollatorForSeq2Seq(tok)) is None
     masked = transformers.DataCollatorForLanguageModeling(tok, mlm=False)
     masked.mlm = True  # the tiny tokenizer has no mask token to construct one with
-    assert "mlm=True" in packing.collator_problem(masked)
-    assert "already makes padding-free" in packing.collator_problem(transformers.DataCollatorWithFlattening())
-    assert "not a padding collator" in packing.collator_problem(transformers.default_data_collator)
-    assert packing.model_problem(tiny.model("llama")) is None
+    assert "mlm=True" in packing_policy.collator_problem(masked)
+    assert "already makes padding-free" in packing_policy.collator_problem(transformers.DataCollatorWithFlattening())
+    assert "not a padding collator" in packing_policy.collator_problem(transformers.default_data_collator)
+    assert packing_policy.model_problem(tiny.model("llama")) is None
     gpt2 = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)
     )
-    assert "model_type='gpt2'" in packing.model_problem(gpt2)
+    assert "model_type='gpt2'" in packing_policy.model_problem(gpt2)
     eager = tiny.model("llama")
     eager.config._attn_implementation = "paged|sdpa"
-    assert "attn_implementation='paged|sdpa'" in packing.model_problem(eager)
+    assert "attn_implementation='paged|sdpa'" in packing_policy.model_problem(eager)
     dynamic = tiny.model("llama")
     dynamic.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-    assert "'dynamic'" in packing.model_problem(dynamic)
+    assert "'dynamic'" in packing_policy.model_problem(dynamic)
 
 
 def _trainer(tmp_path, **overrides):
@@ -291,7 +292,7 @@ def test_cost_keeps_near_equal_lengths_padded_under_a_dense_mask():
     """sdpa/eager attend over the packed row's dense [T, T] mask: B equal rows would cost B times the padded
     attention for no token saved. Flash attention and flex skip the pairs between examples."""
     config = tiny.model("llama").config
-    dense, varlen = packing.PackingCost(config, "sdpa"), packing.PackingCost(config, "flash_attention_2")
+    dense, varlen = packing_policy.PackingCost(config, "sdpa"), packing_policy.PackingCost(config, "flash_attention_2")
     equal = np.array([30, 30, 29, 30])
     assert not dense.worth_it(4, 30, equal) and varlen.worth_it(4, 30, equal)
     skewed = np.array([40, 3, 4, 2])  # most of the padded batch is padding

@@ -17,6 +17,7 @@ import transformers
 import _tiny as tiny
 import fasttrain
 from fasttrain.data import packing
+from fasttrain.integration import packing_policy
 
 torch_flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
@@ -41,7 +42,7 @@ def _model(attention: str, dtype: torch.dtype):
 
 
 def test_flex_is_on_the_allow_list():
-    assert packing.model_problem(_model("flex_attention", torch.float32)) is None
+    assert packing_policy.model_problem(_model("flex_attention", torch.float32)) is None
 
 
 def test_no_attention_across_packed_examples_under_flex():

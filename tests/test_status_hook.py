@@ -46,11 +46,11 @@ def test_create_optimizer_twice_settles_once(trainer, monkeypatch):
     # DeepSpeed's path: deepspeed_init calls create_optimizer, then the training loop calls it again
     first = trainer.create_optimizer()
     assert trainer.create_optimizer() is first
-    from fasttrain import integration
+    from fasttrain.integration import settle
 
     settled = []
-    real_settle = integration._settle
-    monkeypatch.setattr(integration, "_settle", lambda seam, opt: (settled.append(opt), real_settle(seam, opt)))
+    real_settle = settle.settle
+    monkeypatch.setattr(settle, "settle", lambda seam, opt: (settled.append(opt), real_settle(seam, opt)))
     _give_gradients(trainer.model)
     first.step()
     first.step()

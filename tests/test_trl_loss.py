@@ -1,4 +1,4 @@
-"""TRL's SFTTrainer and DPOTrainer with ``fasttrain.loss.trl_support.enable_for_trainer``: the loss and every
+"""TRL's SFTTrainer and DPOTrainer with ``fasttrain.integration.loss_trl.enable``: the loss and every
 logged metric are as close to the truth as the unpatched TRL run at every step (fp32), TRL's own kernel and the
 lm_head module are not called, and ``fused_calls`` counts the forwards that took fasttrain's kernel.
 
@@ -10,7 +10,7 @@ TRL's fused head upcasts its logits tiles with ``.float()``: in the float64 run 
 fp32 (the backbone, the rest of the loss and the optimizer in float64). Single forwards are compared with
 plain float64 logits instead.
 
-The functions are called directly (not through fasttrain's Trainer integration). Tiny models, 2-3 steps.
+The functions are called directly (not through ``fasttrain.patch()`` or ``fasttrain.Trainer``). Tiny models, 2-3 steps.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 
 import _tiny
 from _truth_ops import assert_truth, check_truth
+from fasttrain.integration import loss_trl
 from fasttrain.loss import trl_support
 
 trl = pytest.importorskip("trl")
@@ -80,8 +81,8 @@ def _train(make_trainer, enable, monkeypatch, truth=False):
         monkeypatch
     )  # counts from here: DPO may precompute reference log-probs in __init__
     if enable:
-        assert trl_support.enable_for_trainer(trainer) is None
-        assert trl_support.enable_for_trainer(trainer) is None  # idempotent
+        assert loss_trl.enable(trainer) is None
+        assert loss_trl.enable(trainer) is None  # idempotent
     detectors.watch(trainer.model, getattr(trainer, "ref_model", None))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
@@ -125,7 +126,7 @@ def _run_both(make_trainer, monkeypatch, must_have, beta=None):
     assert ref_det.trl_kernel > 0  # the detector sees TRL's kernel when it runs ...
     assert our_det.trl_kernel == 0 and our_det.lm_head == 0  # ... and nothing but fasttrain's when enabled
     # every forward TRL's head served in the unpatched run took fasttrain's kernel instead
-    assert trl_support.fused_calls(trainer) == ref_det.trl_kernel
+    assert loss_trl.fused_calls(trainer) == ref_det.trl_kernel
     return trainer
 
 
@@ -231,7 +232,7 @@ def test_sft_qwen3_with_eval(tmp_path, monkeypatch):
         [{k: h[k] for k in keys} for h in t.state.log_history if "eval_loss" in h] for t in (ref, ours, truth)
     ]
     _compare(*evals, set(keys), min_logs=1)
-    assert trl_support.fused_calls(ours) == ref_det.trl_kernel  # training micro-batches + eval batches
+    assert loss_trl.fused_calls(ours) == ref_det.trl_kernel  # training micro-batches + eval batches
 
 
 # ---------------------------------------------------------------------------------------------- DPOTrainer
@@ -304,7 +305,7 @@ def _dpo_factory(tmp_path, with_ref=True, peft_config=None, **config):
 )
 def test_dpo_same_loss_and_metrics(case, config, tmp_path, monkeypatch):
     trainer = _run_both(_dpo_factory(tmp_path, **config), monkeypatch, DPO_METRICS, DPO_BETA)
-    assert trl_support.fused_calls(trainer) == 3 * 2, case  # a policy and a reference forward per step
+    assert loss_trl.fused_calls(trainer) == 3 * 2, case  # a policy and a reference forward per step
 
 
 def test_dpo_precomputed_reference(tmp_path, monkeypatch):
@@ -314,7 +315,7 @@ def test_dpo_precomputed_reference(tmp_path, monkeypatch):
     _, ref_logs, _ = _train(factory, False, monkeypatch)
     trainer, our_logs, det = _train(factory, True, monkeypatch)
     _compare(ref_logs, our_logs, truth_logs, DPO_METRICS, beta=DPO_BETA)
-    assert trl_support.fused_calls(trainer) == 3 and det.trl_kernel == 0  # the policy forwards only
+    assert loss_trl.fused_calls(trainer) == 3 and det.trl_kernel == 0  # the policy forwards only
 
 
 def test_dpo_peft_reference_is_the_adapter_free_policy(tmp_path, monkeypatch):
@@ -323,7 +324,7 @@ def test_dpo_peft_reference_is_the_adapter_free_policy(tmp_path, monkeypatch):
     trainer = _run_both(
         _dpo_factory(tmp_path, with_ref=False, peft_config=lora), monkeypatch, DPO_METRICS, DPO_BETA
     )
-    assert trl_support.fused_calls(trainer) == 3 * 2  # the reference forward runs the same model
+    assert loss_trl.fused_calls(trainer) == 3 * 2  # the reference forward runs the same model
 
 
 # ---------------------------------------------------------------------------------------------- reasons
@@ -333,7 +334,7 @@ def test_reasons_and_disable(tmp_path, monkeypatch):
     import transformers
 
     plain = transformers.Trainer(model=_tiny.model("llama"), args=_tiny.training_args(str(tmp_path)))
-    assert "not a TRL SFTTrainer or DPOTrainer" in trl_support.enable_for_trainer(plain)
+    assert "not a TRL SFTTrainer or DPOTrainer" in loss_trl.enable(plain)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -341,23 +342,23 @@ def test_reasons_and_disable(tmp_path, monkeypatch):
     monkeypatch.setattr(trl, "__version__", "1.15.0")
     assert (
         "TRL 1.15.0: fasttrain serves TRL's fused LM head for TRL >= 1.16"
-        in trl_support.enable_for_trainer(trainer)
+        in loss_trl.enable(trainer)
     )
     monkeypatch.delattr(trl_utils, "add_fused_lm_head")  # as in TRL releases before the fused head
-    assert "has no fused LM head" in trl_support.enable_for_trainer(trainer)
+    assert "has no fused LM head" in loss_trl.enable(trainer)
     monkeypatch.undo()
     monkeypatch.setitem(trl_support.KERNEL_CHOICE, ("cpu", "sft"), "trl")
-    assert "measured faster" in trl_support.enable_for_trainer(trainer)
+    assert "measured faster" in loss_trl.enable(trainer)
     monkeypatch.undo()
 
     trl_forward = trainer.model.forward
-    assert trl_support.enable_for_trainer(trainer) is None
+    assert loss_trl.enable(trainer) is None
     assert trainer.model.forward is not trl_forward
-    trl_support.disable_for_trainer(trainer)
-    assert trainer.model.forward == trl_forward and trl_support.fused_calls(trainer) == 0
+    loss_trl.disable(trainer)
+    assert trainer.model.forward == trl_forward and loss_trl.fused_calls(trainer) == 0
 
     del trainer.model.forward  # no fused head installed (e.g. an older TRL)
-    assert "no TRL fused LM head" in trl_support.enable_for_trainer(trainer)
+    assert "no TRL fused LM head" in loss_trl.enable(trainer)
 
 
 def test_head_under_accelerate_autocast_wrapper(tmp_path):
@@ -374,7 +375,7 @@ def test_head_under_accelerate_autocast_wrapper(tmp_path):
     with torch.no_grad():
         ref = model(input_ids=ids, labels=ids, fused_lm_head=True)  # TRL's head under the same wrapper
     truth = _plain_truth(tmp_path, ids)
-    assert trl_support.enable_for_trainer(trainer) is None
+    assert loss_trl.enable(trainer) is None
     ours = model._original_forward
     assert getattr(ours.__func__, "_fasttrain_trl_head", False) and trl_support._wraps(
         model.forward, ours.__func__
@@ -382,12 +383,12 @@ def test_head_under_accelerate_autocast_wrapper(tmp_path):
     with torch.no_grad():
         out = model(input_ids=ids, labels=ids, fused_lm_head=True)
         inner = ours(input_ids=ids, labels=ids, fused_lm_head=True)  # without the wrapper: fp32 matmul
-    assert trl_support.fused_calls(trainer) == 2 and out.log_probs.dtype == torch.float32
+    assert loss_trl.fused_calls(trainer) == 2 and out.log_probs.dtype == torch.float32
     # the wrapper's autocast reached the kernel: its matmul ran in bf16, so the values differ from fp32's
     assert not torch.equal(out.log_probs, inner.log_probs)
     # as close to the float64 run as TRL's head under the same autocast (bf16 roundings of the whole model)
     assert_truth(out.log_probs, ref.log_probs, truth["log_probs"], k=K, ulps=4.0, what="log_probs")
-    trl_support.disable_for_trainer(trainer)
+    loss_trl.disable(trainer)
     assert model.forward == wrapper and model._original_forward == trl_forward
 
 
@@ -402,12 +403,12 @@ def test_calls_without_fused_head_keep_trl_forward(tmp_path):
     with torch.no_grad():
         before = model(input_ids=ids, labels=ids)
         trl_fused = model(input_ids=ids, labels=ids, fused_lm_head=True)
-        assert trl_support.enable_for_trainer(trainer) is None
+        assert loss_trl.enable(trainer) is None
         after = model(input_ids=ids, labels=ids)
         ours = model(input_ids=ids, labels=ids, fused_lm_head=True)
         generated = model.generate(ids, max_new_tokens=3, do_sample=False)
     assert torch.equal(before.logits, after.logits) and torch.equal(before.loss, after.loss)
-    assert trl_support.fused_calls(trainer) == 1
+    assert loss_trl.fused_calls(trainer) == 1
     assert (
         len(lm_head_calls) == 2 + 3
     )  # the plain calls and generate() use the lm_head module: the detector works

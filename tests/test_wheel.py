@@ -67,9 +67,11 @@ def test_wheel_imports_in_fresh_venv(wheel: Path, tmp_path: Path) -> None:
     # file is not itself a site directory, so the editable install's own .pth there is not followed.
     (Path(target) / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     code = (
-        "import fasttrain, fasttrain._native, fasttrain.kernels, sys\n"
+        "import fasttrain, fasttrain._native, fasttrain.kernels.adamw, sys\n"
         f"assert fasttrain.__file__.startswith({target!r}), fasttrain.__file__\n"
-        f"assert fasttrain.kernels.__file__.startswith({target!r}), fasttrain.kernels.__file__\n"
+        # a namespace package (kernels/README.md): its one folder and its modules come from the wheel
+        f"assert [p.startswith({target!r}) for p in fasttrain.kernels.__path__] == [True], fasttrain.kernels.__path__\n"
+        f"assert fasttrain.kernels.adamw.__file__.startswith({target!r}), fasttrain.kernels.adamw.__file__\n"
         "print(fasttrain._native.__version__)\n"
     )
     done = subprocess.run([str(py), "-c", code], capture_output=True, text=True, cwd=tmp_path)

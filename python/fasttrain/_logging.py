@@ -1,4 +1,12 @@
-"""One logger for the package, and "say it once" for fallbacks (a fallback is logged, never silent)."""
+"""One logger for the package, "say it once" for fallbacks (a fallback is logged, never silent), and the level
+the Trainer asks for.
+
+fasttrain's messages go to the ``fasttrain`` logger. An application that configures logging (a handler on that
+logger or on the root) decides where they go and at which level. Otherwise they are shown as transformers shows
+the Trainer's own messages: on stderr, at the level the Trainer uses for this process
+(``TrainingArguments.log_level`` / ``log_level_replica``, through :func:`follow_trainer_log_level`), not propagated
+to the root logger (as transformers' ``transformers`` logger).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ logger = logging.getLogger("fasttrain")
 
 _said: set[str] = set()
 _lock = threading.Lock()
+_own_handler: logging.Handler | None = None
 
 
 def log_once(key: str, message: str, level: int = logging.WARNING) -> None:
@@ -18,3 +27,19 @@ def log_once(key: str, message: str, level: int = logging.WARNING) -> None:
             return
         _said.add(key)
     logger.log(level, message)
+
+
+def follow_trainer_log_level(level: int) -> None:
+    """Show fasttrain's messages at ``level`` (a Trainer's ``args.get_process_log_level()``), unless the application
+    configured logging itself."""
+    global _own_handler
+    with _lock:
+        if _own_handler is None:
+            if logger.handlers or logging.getLogger().handlers:
+                return
+            _own_handler = logging.StreamHandler()  # stderr, like transformers' own handler
+            logger.addHandler(_own_handler)
+            logger.propagate = False
+        elif _own_handler not in logger.handlers:
+            return  # the application took the logger over since
+        logger.setLevel(level)

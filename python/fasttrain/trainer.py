@@ -1,8 +1,8 @@
 """``fasttrain.Trainer``: the transformers Trainer with fasttrain's hot paths switched on.
 
-It only adds ``hot_paths`` to the constructor and calls ``fasttrain.integration.apply`` (the same seam
-``fasttrain.patch()`` uses) after the Trainer's own ``__init__``. Arguments, callbacks, evaluation, checkpoints,
-logging and the Accelerate integration are the transformers ones.
+Its ``__init__`` is the Trainer's own, then ``fasttrain.integration.apply`` (the same seam ``fasttrain.patch()``
+uses). Arguments, callbacks, evaluation, checkpoints, logging and the Accelerate integration are the transformers
+ones.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ __all__ = ["HotPaths", "Trainer", "TrainingArguments"]
 class Trainer(transformers.Trainer):
     """Same constructor as ``transformers.Trainer``, plus ``hot_paths`` (keyword only) to switch paths off.
 
-    ``trainer.fasttrain_status`` maps each hot path (optimizer, clip, loss, collator, sampler) to ``"on"`` once it
-    has run, or ``"off: <reason>"``; it is settled, and logged in one line, after the first optimizer step.
+    ``trainer.fasttrain_status`` maps each hot path (optimizer, clip, loss, collator, sampler, packing) to ``"on"``
+    once it has run, or ``"off: <reason>"``; it is settled, and logged in one line, after the first optimizer step.
 
     ``max_tokens_per_batch`` (keyword only, default None: off) trains on token-budget batches instead of
     ``per_device_train_batch_size`` examples: each batch holds whole examples whose lengths sum to at most that
@@ -41,16 +41,8 @@ class Trainer(transformers.Trainer):
         **kwargs: Any,
     ) -> None:
         if max_tokens_per_batch is not None:
-            from .data.sampler import _max_tokens
+            from .data.sampler import check_max_tokens
 
-            max_tokens_per_batch = _max_tokens(max_tokens_per_batch)  # ValueError naming it, before any setup
-        self.max_tokens_per_batch = max_tokens_per_batch
+            max_tokens_per_batch = check_max_tokens(max_tokens_per_batch)  # a ValueError before any set-up
         super().__init__(*args, **kwargs)
-        integration.apply(self, hot_paths)
-
-    def get_train_dataloader(self) -> Any:
-        if self.max_tokens_per_batch is None:
-            return super().get_train_dataloader()
-        from .data.budget_loader import token_budget_loader
-
-        return token_budget_loader(self, self.max_tokens_per_batch)
+        integration.apply(self, hot_paths, max_tokens_per_batch=max_tokens_per_batch)

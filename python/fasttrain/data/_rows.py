@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import operator
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -35,6 +35,25 @@ def hand_over(collator: object, why: HandOver) -> None:
         f"collate-handover:{type(collator).__module__}.{name}:{why}",
         f"fasttrain.{name}: {why}; this case runs through the reference {name} (logged once)",
     )
+
+
+def native_or_reference(
+    collator: object,
+    native: Callable[..., Any],
+    reference: Callable[..., Any],
+    *args: Any,
+    refusal: Callable[[Any], str | None] | None = None,
+) -> Any:
+    """``native(*args)``, the batch made in Rust, unless ``refusal(collator)`` (the agreement probe) says the class
+    replaced must make every batch, or the native path hands this batch over (logged once): then
+    ``reference(*args)``, the replaced class's own method."""
+    if refusal is not None and refusal(collator) is not None:
+        return reference(*args)
+    try:
+        return native(*args)
+    except HandOver as why:
+        hand_over(collator, why)
+        return reference(*args)
 
 
 class Rows(NamedTuple):

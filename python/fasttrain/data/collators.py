@@ -30,6 +30,7 @@ must be integers: a float among them raises TypeError (transformers would return
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -42,9 +43,10 @@ from transformers.tokenization_utils_base import BatchEncoding, PreTrainedTokeni
 from transformers.utils import PaddingStrategy
 from transformers.utils.generic import to_py_obj
 
+from .._classes import from_package
 from .._logging import log_once
 from . import _rows, collator_probe
-from ._rows import HandOver, Rows, column, read, round_up
+from ._rows import HandOver, Rows, column, native_or_reference, read, round_up
 
 __all__ = [
     "DataCollatorForLanguageModeling",
@@ -56,6 +58,7 @@ __all__ = [
 ]
 
 _NATIVE_TENSORS = ("pt", "np")
+_probe = collator_probe.refusal  # whether this transformers' collators still make the batches ours make
 # tokenizer.pad's padding values besides the main input (model_input_names[0]) and the mask.
 _PAD_VALUE_ATTR = {"token_type_ids": "pad_token_type_id"}
 _PAD_VALUE_CONST = {"special_tokens_mask": 1}
@@ -201,13 +204,7 @@ class DataCollatorWithPadding(hf.DataCollatorWithPadding):
     fasttrain_native = True
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        if collator_probe.refusal(self) is not None:
-            return super().__call__(features)
-        try:
-            return self._native_call(features)
-        except HandOver as why:
-            _rows.hand_over(self, why)
-            return super().__call__(features)
+        return native_or_reference(self, self._native_call, super().__call__, features, refusal=_probe)
 
     def _native_call(self, features: Any) -> dict[str, Any]:
         padded = _pad(
@@ -244,13 +241,8 @@ class DataCollatorForLanguageModeling(hf.DataCollatorForLanguageModeling):
 
     def _call(self, examples: list[Any], return_tensors: str) -> dict[str, Any]:
         parent = super().torch_call if return_tensors == "pt" else super().numpy_call
-        if collator_probe.refusal(self) is not None:
-            return parent(examples)
-        try:
-            return self._native_call(examples, return_tensors)
-        except HandOver as why:
-            _rows.hand_over(self, why)
-            return parent(examples)
+        native = functools.partial(self._native_call, return_tensors=return_tensors)
+        return native_or_reference(self, native, parent, examples, refusal=_probe)
 
     def _native_call(self, examples: Any, return_tensors: str | None = None) -> dict[str, Any]:
         if return_tensors is None:
@@ -320,13 +312,9 @@ class DataCollatorForSeq2Seq(hf.DataCollatorForSeq2Seq):
     fasttrain_native = True
 
     def __call__(self, features: list[dict[str, Any]], return_tensors: str | None = None) -> dict[str, Any]:
-        if collator_probe.refusal(self) is not None:
-            return super().__call__(features, return_tensors)
-        try:
-            return self._native_call(features, return_tensors)
-        except HandOver as why:
-            _rows.hand_over(self, why)
-            return super().__call__(features, return_tensors)
+        return native_or_reference(
+            self, self._native_call, super().__call__, features, return_tensors, refusal=_probe
+        )
 
     def _native_call(self, features: Any, return_tensors: str | None = None) -> dict[str, Any]:
         if return_tensors is None:
@@ -393,13 +381,9 @@ class DataCollatorWithFlattening(hf.DataCollatorWithFlattening):
         return_tensors: str | None = None,
         separator_id: int | None = None,
     ) -> dict[str, Any]:
-        if collator_probe.refusal(self) is not None:
-            return super().__call__(features, return_tensors, separator_id)
-        try:
-            return self._native_call(features, return_tensors, separator_id)
-        except HandOver as why:
-            _rows.hand_over(self, why)
-            return super().__call__(features, return_tensors, separator_id)
+        return native_or_reference(
+            self, self._native_call, super().__call__, features, return_tensors, separator_id, refusal=_probe
+        )
 
     def _native_call(
         self, features: Any, return_tensors: str | None = None, separator_id: int | None = None
@@ -492,8 +476,7 @@ def _trl_equivalents() -> dict[type, type]:
 
 
 def _equivalents_for(cls: type) -> dict[type, type]:
-    from_trl = any(base.__module__.split(".")[0] == "trl" for base in cls.__mro__)
-    return {**_EQUIVALENTS, **_trl_equivalents()} if from_trl else _EQUIVALENTS
+    return {**_EQUIVALENTS, **_trl_equivalents()} if from_package(cls, "trl") else _EQUIVALENTS
 
 
 def native_equivalent(collator: object) -> object | None:

@@ -40,7 +40,7 @@ def lengths_from_dataset(
     Raises ValueError for a missing column, a null list, a non-integer or negative length.
     """
     name = model_input_name if model_input_name is not None else DEFAULT_MODEL_INPUT_NAME
-    if _is_hf_dataset(dataset):
+    if is_hf_dataset(dataset):
         if length_column is not None and length_column in dataset.column_names:
             return _arrow_length_column(dataset, length_column)
         lengths = _arrow_list_lengths(dataset, name)
@@ -59,7 +59,7 @@ def lengths_from_column(column: Any) -> np.ndarray | None:
         from datasets.arrow_dataset import Column
     except ImportError:  # pragma: no cover - datasets is a dependency
         return None
-    if not isinstance(column, Column) or not _is_hf_dataset(column.source):
+    if not isinstance(column, Column) or not is_hf_dataset(column.source):
         return None
     if column.source._format_type == "custom":  # a transform may rewrite values: read them as formatted
         return None
@@ -111,7 +111,8 @@ def _non_integer_message(original: Any, array: np.ndarray, what: str) -> str:
     return f"{what} must be integers, got an array of dtype {array.dtype}"
 
 
-def _is_hf_dataset(obj: Any) -> bool:
+def is_hf_dataset(obj: Any) -> bool:
+    """Whether ``obj`` is a ``datasets.Dataset`` (Arrow-backed: its lengths are read from the offsets)."""
     try:
         from datasets import Dataset
     except ImportError:  # pragma: no cover - datasets is a dependency

@@ -3,7 +3,7 @@
 The Trainer's padding collator still makes its batch (``[rows, width]``, byte-identical to transformers' or
 TRL's); ``_native.pack_padded`` then moves every row's tokens into one row, with the GIL released and no Python
 work per token: ``input_ids``, ``position_ids`` restarting at 0 at each example, ``labels`` with each example's
-first token ignored (so nothing predicts across a boundary), plus ``cu_seq_lens_q/k`` and ``max_length_q/k``
+first token ignored (so nothing predicts across a boundary: ``fasttrain.labels``), plus ``cu_seq_lens_q/k`` and ``max_length_q/k``
 when the model runs flash attention. Starting from the padded batch keeps every quirk of the collator replaced
 (the LM collator's ``labels[input_ids == pad] = -100`` with pad == eos, seq2seq's ``label_pad_token_id``, a user's
 own ``labels``) and lets the packer prove, batch by batch, that the packed row scores exactly the padded batch's
@@ -17,15 +17,10 @@ Attention is exact on a packed row only where the model keeps examples apart: sd
 block-diagonal mask from ``position_ids`` when no ``attention_mask`` is passed and no cache exists
 (``masking_utils.find_packed_sequence_indices``), flash attention takes ``cu_seq_lens``. A model whose config says
 ``use_cache=True`` builds a cache in a training forward too, and the packed mask is then silently not built
-(every example attends to the ones before it): so the packed batch carries ``use_cache=False``. Only the model
-families verified by tests/test_packing_models.py pack (``EXACT_FAMILIES``); rope scalings that depend on the
-sequence length (dynamic, longrope) see another length in a packed row, so they stay padded.
-
-One packed row is not always cheaper: sdpa and eager attend over a dense ``[T, T]`` mask, so a row of ``T`` tokens
-costs ``T**2`` attention pairs where the padded batch costs ``rows * width**2`` (flash attention and flex skip the
-pairs between examples: ``sum(length**2)``). ``PackingCost`` weighs tokens against pairs in the model's own
-flops, and a batch packs only when they do not rise: a batch of near-equal lengths (``group_by_length``, token
-budgets) stays padded under sdpa and eager, a choice for speed, not a fallback.
+(every example attends to the ones before it): so the packed batch carries ``use_cache=False``. Which models,
+attentions and trainers may pack, and whether a batch is worth packing, is the packing policy's
+(``fasttrain.integration.packing_policy``); this module only makes the rows and refuses batches it cannot make
+exactly.
 
 Under TRL the packed batch is TRL's own padding-free batch (``padding_free=True``: ``seq_idx`` too, the same
 ``cu_seq_lens`` tensor under both names); TRL's ``compute_loss`` passes ``use_cache=False`` itself.
@@ -44,25 +39,8 @@ from .. import _native
 from .._logging import log_once
 from . import collators as ours
 
-__all__ = [
-    "EXACT_ATTENTION",
-    "EXACT_FAMILIES",
-    "PackedBatch",
-    "PackingCollator",
-    "PackingCost",
-    "collator_problem",
-    "model_problem",
-    "pack",
-]
+__all__ = ["PackedBatch", "PackingCollator", "collator_kind", "pack"]
 
-# model_type of the families whose packed forward tests/test_packing_models.py compares with the padded one
-EXACT_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "olmo2"})
-FLASH_ATTENTION = frozenset({"flash_attention_2", "flash_attention_3"})
-# the attention implementations tests have run on packed rows (tests/test_packing_models.py, test_packing_flex.py);
-# flash attention takes the same row with cu_seq_lens (the kwargs are built and tested against transformers'
-# DataCollatorWithFlattening), but no GPU has run a packed forward through it yet, so it stays padded
-EXACT_ATTENTION = frozenset({"sdpa", "eager", "flex_attention"})
-_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 _PACKABLE_KEYS = frozenset({"input_ids", "attention_mask", "labels", "position_ids"})
 
 
@@ -99,63 +77,6 @@ def collator_kind(collator: object) -> str | None:
     return _padding_collators().get(type(collator))
 
 
-def collator_problem(collator: object) -> str | None:
-    """Why the Trainer's collator cannot be the start of a packed batch (None: it can)."""
-    kind = collator_kind(collator)
-    name = f"{type(collator).__module__}.{type(collator).__qualname__}"
-    if isinstance(collator, (hf.DataCollatorWithFlattening,)):
-        return f"{name} already makes padding-free batches"
-    if kind is None:
-        return f"the collator {name} is not a padding collator fasttrain knows (its batches are kept as they are)"
-    if kind == "lm" and collator.mlm:
-        return f"{name} with mlm=True (masked LM)"
-    if kind != "trl" and getattr(collator, "return_tensors", "pt") != "pt":
-        return f"{name} with return_tensors={collator.return_tensors!r}"
-    if kind == "trl" and not collator.padding_free and collator.pad_to_multiple_of is not None:
-        # TRL's padding-free row is padded to the multiple, and TRL counts those pads in its num_tokens metric
-        return (
-            f"{name} with pad_to_multiple_of={collator.pad_to_multiple_of} (TRL would log other num_tokens)"
-        )
-    return None
-
-
-def _rope_types(config: Any) -> set[str]:
-    found = set()
-    for params in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
-        stack = [params]
-        while stack:
-            p = stack.pop()
-            if isinstance(p, dict):
-                kind = p.get("rope_type", p.get("type"))
-                if isinstance(kind, str):
-                    found.add(kind)
-                stack.extend(v for v in p.values() if isinstance(v, dict))
-    return found
-
-
-def model_problem(model: Any) -> str | None:
-    """Why a packed row would not be exact for ``model`` (None: it is, by the tests of its family)."""
-    if model is None:
-        return "the Trainer has no model yet"
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
-    config = getattr(base, "config", None)
-    name = type(base).__name__
-    model_type = getattr(config, "model_type", None)
-    if config is None or getattr(config, "is_encoder_decoder", False):
-        return f"{name} is not a decoder-only causal LM"
-    if model_type not in EXACT_FAMILIES or not name.endswith("ForCausalLM"):
-        return f"{name} (model_type={model_type!r}) is not a model family verified exact on packed rows"
-    attention = getattr(config, "_attn_implementation", None)
-    if attention in FLASH_ATTENTION:
-        return f"attn_implementation={attention!r}: packed rows are not yet verified on a GPU"
-    if attention not in EXACT_ATTENTION:
-        return f"attn_implementation={attention!r} is not one that keeps packed examples apart"
-    length_dependent = _rope_types(config) & _LENGTH_DEPENDENT_ROPE
-    if length_dependent:
-        return f"rope_type {sorted(length_dependent)[0]!r} depends on the padded length"
-    return None
-
-
 def _numpy(value: Any, key: str, batch_shape: tuple[int, ...] | None) -> np.ndarray:
     """A CPU int64 ``[rows, width]`` array viewing (or, for another integer dtype, converting) ``value``."""
     if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
@@ -175,45 +96,19 @@ class _Refused(Exception):
         self.for_cost = for_cost
 
 
-class PackingCost:
-    """What a token and an attention pair cost in a model's forward, in matmul flops: per token the projections,
-    the MLP and the LM head; per attention pair QK^T and PV over every head and layer. Only compared with
-    itself: a packed row must not cost more than the padded batch it replaces. (Memory follows the same terms;
-    the bytes an attention pair keeps depend on the kernel: none per head in flash and memory-efficient sdpa.)"""
-
-    def __init__(self, config: Any, attention: str | None) -> None:
-        text = getattr(config, "get_text_config", lambda: config)()
-        hidden = int(text.hidden_size)
-        layers = int(text.num_hidden_layers)
-        heads = int(text.num_attention_heads)
-        head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
-        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-        inner = int(getattr(text, "intermediate_size", None) or 4 * hidden)
-        layer_params = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inner
-        self.token_flops = 2 * (layers * layer_params + hidden * int(text.vocab_size))
-        self.pair_flops = 4 * heads * head_dim * layers
-        self.dense = attention not in FLASH_ATTENTION and attention != "flex_attention"
-
-    def worth_it(self, rows: int, width: int, lengths: np.ndarray) -> bool:
-        tokens = int(lengths.sum())
-        pairs = tokens * tokens if self.dense else int((lengths * lengths).sum())
-        padded_pairs = rows * width * width
-        packed = tokens * self.token_flops + pairs * self.pair_flops
-        return packed <= rows * width * self.token_flops + padded_pairs * self.pair_flops
-
-
 def pack(
-    batch: Any, *, flash: bool, trl_pad_id: int | None = None, cost: PackingCost | None = None
+    batch: Any, *, flash: bool, trl_pad_id: int | None = None, cost: Any = None
 ) -> tuple[dict[str, Any] | None, _Refused | None]:
-    """(the packed batch, None) or (None, why the padded ``batch`` stays as it is). ``cost``: pack only where the
-    packed row costs no more than the padded batch (None: always)."""
+    """(the packed batch, None) or (None, why the padded ``batch`` stays as it is). ``cost``: an object whose
+    ``worth_it(rows, width, lengths)`` says whether the packed row costs no more than the padded batch
+    (``fasttrain.integration.packing_policy.PackingCost``); None: always pack."""
     try:
         return _pack(batch, flash=flash, trl_pad_id=trl_pad_id, cost=cost), None
     except _Refused as why:
         return None, why
 
 
-def _pack(batch: Any, *, flash: bool, trl_pad_id: int | None, cost: PackingCost | None) -> dict[str, Any]:
+def _pack(batch: Any, *, flash: bool, trl_pad_id: int | None, cost: Any) -> dict[str, Any]:
     extra = sorted(set(batch) - _PACKABLE_KEYS)
     if extra:
         raise _Refused(f"the batch has {extra}, which a packed row cannot carry")
@@ -269,7 +164,7 @@ class PackingCollator:
     with ``padding_free=True`` the collator already packs: its batches are passed through, marked packed.
     """
 
-    def __init__(self, padded: Any, *, flash: bool, cost: PackingCost | None = None) -> None:
+    def __init__(self, padded: Any, *, flash: bool, cost: Any = None) -> None:
         self.padded = padded
         self.flash = flash
         self.cost = cost

@@ -190,7 +190,7 @@ class DistributedLengthGroupedSampler(DistributedSampler):
         return iter(self.indices().tolist())
 
 
-def _max_tokens(value: Any) -> int:
+def check_max_tokens(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(
             f"max_tokens_per_batch must be a positive integer, got {value!r} ({type(value).__name__})"
@@ -217,7 +217,7 @@ def token_budget_batches(
     of ranks are dropped instead. Raises ValueError for a budget below 1, bad lengths, an order that is not
     made of indices into ``lengths``, or too few examples to give every rank a batch.
     """
-    budget = _max_tokens(max_tokens_per_batch)
+    budget = check_max_tokens(max_tokens_per_batch)
     lengths = as_length_array(lengths)
     if order is None:
         order = np.arange(len(lengths), dtype=np.int64)
@@ -285,7 +285,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         rank: int | None = None,
         drop_last: bool = False,
     ):
-        self.max_tokens_per_batch = _max_tokens(max_tokens_per_batch)
+        self.max_tokens_per_batch = check_max_tokens(max_tokens_per_batch)
         self.lengths = _resolve_lengths(dataset, lengths, model_input_name)
         if num_replicas is None or rank is None:
             world, own = _world()

@@ -37,8 +37,9 @@ from trl.trainer import dpo_trainer as trl_dpo
 from trl.trainer import sft_trainer as trl_sft
 
 from .._logging import log_once
+from ..labels import IGNORE_INDEX, ignore_example_starts
 from . import _rows
-from ._rows import HandOver, Rows, column, read, round_up
+from ._rows import HandOver, Rows, column, native_or_reference, read, round_up
 from .collator_probe import batch_difference
 
 __all__ = ["EQUIVALENTS", "DataCollatorForLanguageModeling", "DataCollatorForPreference", "agrees_with_trl"]
@@ -94,11 +95,7 @@ class DataCollatorForLanguageModeling(trl_sft.DataCollatorForLanguageModeling):
     fasttrain_native = True
 
     def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        try:
-            return self._native_call(examples)
-        except HandOver as why:
-            _rows.hand_over(self, why)
-            return super().torch_call(examples)
+        return native_or_reference(self, self._native_call, super().torch_call, examples)
 
     def _native_call(self, examples: Any) -> dict[str, Any]:
         examples = _rows.example_mappings(examples)
@@ -131,7 +128,7 @@ class DataCollatorForLanguageModeling(trl_sft.DataCollatorForLanguageModeling):
         width = _width(ids, multiple)
         output = {
             "input_ids": _rows.pad(ids, width, pad_id, "right", "input_ids", settings),
-            "labels": _rows.pad(labels, _width(labels, multiple), -100, "right", "labels", settings),
+            "labels": _rows.pad(labels, _width(labels, multiple), IGNORE_INDEX, "right", "labels", settings),
         }
         if self.return_position_ids:
             output["position_ids"] = _rows.pad(
@@ -160,9 +157,9 @@ class DataCollatorForLanguageModeling(trl_sft.DataCollatorForLanguageModeling):
                 "padding-free batch"
             )
         input_ids = _rows.pad(Rows(ids.values, total), width, pad_id, "right", "input_ids", settings)
-        flat_labels = _rows.pad(Rows(labels.values, total), width, -100, "right", "labels", settings)
+        flat_labels = _rows.pad(Rows(labels.values, total), width, IGNORE_INDEX, "right", "labels", settings)
         position_ids = _rows.pad(Rows(positions, total), width, 0, "right", "position_ids", settings)
-        flat_labels[position_ids == 0] = -100
+        ignore_example_starts(flat_labels, position_ids)
         if width > np.iinfo(np.int32).max:
             raise ValueError(f"the padding-free batch has {width} tokens; cu_seq_lens are int32")
         cu_seq_lens = torch.from_numpy(
@@ -188,11 +185,7 @@ class DataCollatorForPreference(trl_dpo.DataCollatorForPreference):
     fasttrain_native = True
 
     def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        try:
-            return self._native_call(examples)
-        except HandOver as why:
-            _rows.hand_over(self, why)
-            return super().torch_call(examples)
+        return native_or_reference(self, self._native_call, super().torch_call, examples)
 
     def _native_call(self, examples: Any) -> dict[str, Any]:
         examples = _rows.example_mappings(examples)

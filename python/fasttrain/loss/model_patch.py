@@ -56,32 +56,18 @@ import torch
 from torch import nn
 
 from .._logging import log_once
+from ..families import fused_loss_classes
+from ..labels import IGNORE_INDEX, shift_labels
 from .function import fused_linear_cross_entropy
+from .trl_support import is_trl_head
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES",
     "disable_fused_loss",
     "enable_fused_loss",
     "fused_loss_calls",
     "fused_loss_enabled",
     "set_eval_fused",
 ]
-
-# Causal-LM classes whose forward is "backbone -> lm_head (-> final_logit_softcapping) -> loss_function",
-# checked against their transformers sources. Others keep their own path.
-SUPPORTED_ARCHITECTURES = frozenset(
-    {
-        "LlamaForCausalLM",
-        "MistralForCausalLM",
-        "Qwen2ForCausalLM",
-        "Qwen3ForCausalLM",
-        "GemmaForCausalLM",
-        "Gemma2ForCausalLM",
-        "Gemma3ForCausalLM",
-        "Phi3ForCausalLM",
-        "Olmo2ForCausalLM",
-    }
-)
 
 _STATE_ATTR = "_fasttrain_fused_loss"
 _NOT_BACKBONE_ARGS = ("labels", "logits_to_keep")
@@ -118,10 +104,10 @@ def find_causal_lm(model: nn.Module) -> nn.Module:
 
 def _unsupported_reason(model: nn.Module) -> str | None:
     name = type(model).__name__
-    if name not in SUPPORTED_ARCHITECTURES or not type(model).__module__.startswith("transformers.models."):
-        return f"{name} is not a causal LM the fused loss knows (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
-    code = getattr(getattr(model.__dict__.get("forward"), "__func__", None), "__code__", None)
-    if code is not None and code.co_name == "_fused_forward" and "trl" in code.co_filename:
+    supported = fused_loss_classes()  # checked against their transformers sources and tested (families.py)
+    if name not in supported or not type(model).__module__.startswith("transformers.models."):
+        return f"{name} is not a causal LM the fused loss knows (supported: {', '.join(sorted(supported))})"
+    if is_trl_head(model.__dict__.get("forward")):
         return f"{name} has TRL's fused LM head (its trainer's loss is served by fasttrain.loss.trl_support)"
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear:
@@ -217,14 +203,14 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if problem is not None:
         raise RuntimeError(f"fasttrain fused loss: {problem} (read after the backbone ran)")
 
-    ignore_index = arguments.get("ignore_index", -100)
-    shift_labels = arguments.get("shift_labels")
-    if shift_labels is None:
-        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    ignore_index = arguments.get("ignore_index", IGNORE_INDEX)
+    shifted = arguments.get("shift_labels")
+    if shifted is None:
+        shifted = shift_labels(labels, ignore_index)
     loss = fused_linear_cross_entropy(
         hidden,
         weight,
-        shift_labels.to(hidden.device),
+        shifted.to(hidden.device),
         head.bias,
         ignore_index=ignore_index,
         softcap=state.softcap,

@@ -4,9 +4,9 @@ TRL (1.16) computes these trainers' losses and metrics from ``model(..., labels=
 per-instance forward that ``trl.trainer.utils.add_fused_lm_head`` installs at ``__init__``: it runs the backbone
 and returns a ``FusedCausalLMOutput`` (per-token ``log_probs`` and, as configured, ``entropy``,
 ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``, plus ``label_mask`` and the loss) without the logits.
-``enable_for_trainer`` keeps that contract and that public switch, and puts fasttrain's chunked kernel behind
-it (``fused_token_log_probs``: Triton on CUDA, the chunked torch path elsewhere), for the policy model and
-DPO's reference model, instance by instance:
+``serve(models, ...)`` keeps that contract and that public switch, and puts fasttrain's chunked kernel behind
+it (``fused_token_log_probs``: Triton on CUDA, the chunked torch path elsewhere), model instance by model instance
+(the trainer-side choices -- which models, which trainer kind, the autocast -- are ``fasttrain.integration``'s):
 
 - under mixed precision, Accelerate wraps the model's forward in autocast when the Trainer prepares the
   model (after TRL installed its head): fasttrain's forward goes in TRL's place under that same wrapper, so
@@ -19,28 +19,41 @@ DPO's reference model, instance by instance:
   its own head;
 - SFT's ``nll`` loss is ``-sum(log_probs) / n``: its gradient is ``-1/n`` on every scored token, so the forward
   computes the gradients for it (``uniform_grad``; used only where exact, see ``chunked_head``; else
-  recomputed). DPO's gradients differ per sequence: the backward recomputes.
+  recomputed): ``upstream_count`` hands it the ``n`` the trainer's compute_loss divides by. DPO's gradients differ
+  per sequence: the backward recomputes.
 
 TRL's own kernel may still be the faster one on a GPU: ``KERNEL_CHOICE`` says which kernel serves each device
 type and trainer, decided by ``benchmarks/gpu/bench_loss_gpu.py --trl``; where it says ``"trl"``,
-``enable_for_trainer`` returns that reason and TRL's head stays.
+``serve`` returns that reason and TRL's head stays.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from .._logging import log_once
-from .model_patch import find_causal_lm
+from ..labels import IGNORE_INDEX
+from ..labels import shift_labels as shift_labels_of
 from .token_logprobs import fused_token_log_probs
 
-__all__ = ["KERNEL_CHOICE", "TESTED_TRL", "disable_for_trainer", "enable_for_trainer", "fused_calls"]
+__all__ = [
+    "KERNEL_CHOICE",
+    "TESTED_TRL",
+    "fused_calls",
+    "is_trl_head",
+    "serve",
+    "stop_serving",
+    "trl_problem",
+    "upstream_count",
+]
 
 # TRL versions whose add_fused_lm_head layout this module was tested against: [first, last-excluded).
 TESTED_TRL = ("1.16", "2.0")
@@ -80,7 +93,8 @@ class _HeadState:
     num_items: Any = None  # what the trainer's compute_loss got: SFT's nll divides by it (uniform_grad)
 
 
-def _trl_problem() -> str | None:
+def trl_problem() -> str | None:
+    """Why this TRL's fused head cannot be served (None when it can)."""
     try:
         import trl
         from packaging.version import Version
@@ -100,26 +114,15 @@ def _trl_problem() -> str | None:
     return None
 
 
-def _trainer_kind(trainer: Any) -> str | None:
-    from trl import DPOTrainer, SFTTrainer
-
-    if isinstance(trainer, SFTTrainer):
-        return "sft"
-    if isinstance(trainer, DPOTrainer):
-        return "dpo"
-    return None
-
-
-def _is_trl_head(forward: Any) -> bool:
-    import trl.trainer.utils
-
+def is_trl_head(forward: Any) -> bool:
+    """Whether ``forward`` (a model's instance attribute) is the head ``trl.trainer.utils.add_fused_lm_head`` installs."""
     code = getattr(getattr(forward, "__func__", None), "__code__", None)
     # functools.wraps gave it the class forward's names: recognise TRL's function by its code object
-    return (
-        code is not None
-        and code.co_name == "_fused_forward"
-        and code.co_filename == trl.trainer.utils.__file__
-    )
+    if code is None or code.co_name != "_fused_forward":
+        return False
+    from trl.trainer import utils as trl_utils
+
+    return code.co_filename == trl_utils.__file__
 
 
 def _wraps(forward: Any, func: Any) -> bool:
@@ -137,11 +140,11 @@ def _wraps(forward: Any, func: Any) -> bool:
 def _find_trl_head(model: nn.Module) -> tuple[Any, bool] | str:
     """(TRL's bound forward, whether Accelerate's mixed-precision wrapper is around it), or why none is found."""
     forward = model.__dict__.get("forward")
-    if _is_trl_head(forward):
+    if is_trl_head(forward):
         return forward, False
     # Accelerator.prepare_model under fp16/bf16 keeps the forward it wrapped in `_original_forward`
     original = model.__dict__.get("_original_forward")
-    if _is_trl_head(original) and _wraps(forward, original.__func__):
+    if is_trl_head(original) and _wraps(forward, original.__func__):
         return original, True
     return f"{type(model).__name__} has no TRL fused LM head (add_fused_lm_head) installed"
 
@@ -167,7 +170,7 @@ def _read_trl_head(model: nn.Module) -> tuple[Any, bool, dict[str, Any]] | str:
     return forward, wrapped, settings
 
 
-def _install(model: nn.Module, trainer: Any, wrapped: bool, state: _HeadState) -> None:
+def _install(model: nn.Module, mixed_precision: Callable[[], Any], wrapped: bool, state: _HeadState) -> None:
     ours = types.MethodType(_make_forward(type(model)), model)
     state.replaced = {
         name: model.__dict__[name] for name in ("forward", "_original_forward") if name in model.__dict__
@@ -178,39 +181,35 @@ def _install(model: nn.Module, trainer: Any, wrapped: bool, state: _HeadState) -
     else:
         # Put ours where TRL's forward was, under the wrapper Accelerator.prepare_model builds (autocast, then
         # outputs to fp32): the fused path then runs under the autocast TRL's ran under.
-        from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+        from accelerate.utils import convert_outputs_to_fp32
 
-        accelerator = trainer.accelerator
-        autocast = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
+        autocast = mixed_precision()
         model._original_forward = ours
         model.forward = types.MethodType(convert_outputs_to_fp32(autocast(ours.__func__)), model)
     state.installed = model.__dict__["forward"]
 
 
-def _models(trainer: Any, kind: str) -> list[nn.Module]:
-    # TRL adds its head to the PEFT base model (get_base_model) and to DPO's separate reference model
-    models = [find_causal_lm(trainer.model)]
-    ref = getattr(trainer, "ref_model", None) if kind == "dpo" else None
-    if ref is not None:
-        models.append(find_causal_lm(ref))
-    return models
-
-
-def enable_for_trainer(trainer: Any) -> str | None:
-    """Serve this TRL trainer's fused LM head (policy and reference model) from fasttrain's kernel. Returns
-    None when it does, else why not (TRL's own head then stays everywhere). Logs nothing; idempotent."""
-    problem = _trl_problem()
+def serve(
+    models: list[nn.Module],
+    *,
+    kind: str,
+    device_type: str,
+    uniform_grad: bool,
+    mixed_precision: Callable[[], Any],
+) -> str | None:
+    """Serve the TRL fused heads installed on ``models`` (a trainer's policy, and its reference model) from
+    fasttrain's kernel. Returns None when it does, else why not (TRL's own head then stays on every model): all or
+    nothing, so a status is true of each model. ``kind`` ("sft", "dpo") picks the kernel (``KERNEL_CHOICE``);
+    ``uniform_grad``: the loss is ``-sum(log_probs) / n`` (SFT's nll), so the forward computes the gradients;
+    ``mixed_precision()`` gives the autocast context manager of a forward Accelerate wrapped. Logs nothing;
+    idempotent."""
+    problem = trl_problem()
     if problem is not None:
         return problem
-    kind = _trainer_kind(trainer)
-    if kind is None:
-        return f"{type(trainer).__name__} is not a TRL SFTTrainer or DPOTrainer"
-    device_type = trainer.args.device.type
     if KERNEL_CHOICE.get((device_type, kind), "fasttrain") == "trl":
         return f"TRL's own fused LM head measured faster for {kind} on {device_type} (KERNEL_CHOICE)"
-    uniform = kind == "sft" and getattr(trainer.args, "loss_type", "nll") in ("nll", "chunked_nll")
     plans = []
-    for model in _models(trainer, kind):
+    for model in models:
         if _STATE_ATTR in model.__dict__:
             model.__dict__[_STATE_ATTR].active = True
             continue
@@ -218,52 +217,34 @@ def enable_for_trainer(trainer: Any) -> str | None:
         if isinstance(found, str):
             return found
         plans.append((model, found))
-    for model, (
-        trl_forward,
-        wrapped,
-        settings,
-    ) in plans:  # all or nothing: the status is then true for every model
-        _install(model, trainer, wrapped, _HeadState(trl_forward, settings, uniform))
-    if uniform:
-        _see_num_items(trainer, [_state(m) for m in _models(trainer, kind)])
+    for model, (trl_forward, wrapped, settings) in plans:
+        _install(model, mixed_precision, wrapped, _HeadState(trl_forward, settings, uniform_grad))
     return None
 
 
-def _see_num_items(trainer: Any, states: list) -> None:
-    """SFT's nll is ``-sum(log_probs) / num_items_in_batch``, a value compute_loss gets and the model's forward
-    does not: a per-instance wrapper hands it to the fused head, whose forward then computes the gradients for
-    exactly that upstream (``uniform_grad``). Without it the head would guess the count and, where the guess
-    is off, the backward would recompute."""
-    if "compute_loss" in trainer.__dict__ and getattr(trainer.compute_loss, "_fasttrain_num_items", False):
-        return
-    original = trainer.compute_loss
-
-    @functools.wraps(original)
-    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+@contextlib.contextmanager
+def upstream_count(models: list[nn.Module], num_items_in_batch: Any) -> Iterator[None]:
+    """For the length of one compute_loss: SFT's nll divides by ``num_items_in_batch``, a value the trainer's
+    compute_loss gets and the model's forward does not; handed to the fused heads, their forward computes the
+    gradients for exactly that upstream (``uniform_grad``). Without it the head guesses the count and, where the
+    guess is off, the backward recomputes."""
+    states = [state for m in models if (state := _state(m)) is not None]
+    for state in states:
+        state.num_items = num_items_in_batch
+    try:
+        yield
+    finally:
         for state in states:
-            state.num_items = num_items_in_batch
-        try:
-            return original(
-                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-            )
-        finally:
-            for state in states:
-                state.num_items = None
-
-    compute_loss._fasttrain_num_items = True  # type: ignore[attr-defined]
-    trainer.compute_loss = compute_loss
+            state.num_items = None
 
 
 def _state(model: nn.Module) -> _HeadState | None:
     return model.__dict__.get(_STATE_ATTR)
 
 
-def disable_for_trainer(trainer: Any) -> None:
-    """Put TRL's own fused head back (exactly, where nothing has wrapped the forward since)."""
-    kind = _trainer_kind(trainer) or "sft"
-    if getattr(trainer.__dict__.get("compute_loss"), "_fasttrain_num_items", False):
-        del trainer.compute_loss
-    for model in _models(trainer, kind):
+def stop_serving(models: list[nn.Module]) -> None:
+    """Put TRL's own fused heads back (exactly, where nothing has wrapped the forward since)."""
+    for model in models:
         state = _state(model)
         if state is None:
             continue
@@ -276,10 +257,9 @@ def disable_for_trainer(trainer: Any) -> None:
             state.active = False
 
 
-def fused_calls(trainer: Any) -> int:
-    """How many forwards of this trainer's models took fasttrain's kernel (the evidence behind a status)."""
-    kind = _trainer_kind(trainer) or "sft"
-    return sum(state.fused_calls for m in _models(trainer, kind) if (state := _state(m)) is not None)
+def fused_calls(models: list[nn.Module]) -> int:
+    """How many forwards of ``models`` took fasttrain's kernel (the evidence behind a status)."""
+    return sum(state.fused_calls for m in models if (state := _state(m)) is not None)
 
 
 def _make_forward(model_cls: type) -> Any:
@@ -326,8 +306,8 @@ def _fused_head(model, state, args, kwargs, labels, shift_labels, num_items_in_b
     settings = state.settings
     kwargs["use_cache"] = False
     hidden = getattr(model, settings["backbone_attr"])(*args, **kwargs).last_hidden_state
-    if shift_labels is None:
-        hidden, labels = hidden[:, :-1], labels[:, 1:]
+    if shift_labels is None:  # TRL scores every position but the last
+        hidden, labels = hidden[:, :-1], shift_labels_of(labels)[:, :-1]
     else:
         labels = shift_labels
     head = model.get_output_embeddings()
@@ -340,7 +320,7 @@ def _fused_head(model, state, args, kwargs, labels, shift_labels, num_items_in_b
     if isinstance(weight, DTensor):  # FSDP2: gather the head once, as TRL does
         weight = weight.full_tensor()
         bias = None if bias is None else bias.full_tensor()
-    mask = labels != -100
+    mask = labels != IGNORE_INDEX
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     # the upstream of each scored log-prob under SFT's nll: TRL divides by the compute_loss's num_items_in_batch
     expected = state.num_items if state.num_items is not None else count

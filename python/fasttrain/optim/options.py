@@ -7,14 +7,27 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from .._backend import check_backend
+from ._state import normalize_state_dtype
+
+
+def _state_dtype(value: str) -> str | None:
+    try:
+        return normalize_state_dtype(value, "optim_args")
+    except ValueError:
+        raise ValueError(
+            "use param (moments in the parameter's dtype, as torch's AdamW: the default), float32 or 8bit"
+        ) from None
+
+
 _OPTION_PARSERS: dict[str, Callable[[str], Any]] = {
-    "state_dtype": str,  # None/"param" (the reference), "float32", "8bit": FusedAdamW checks the value
+    "state_dtype": _state_dtype,
     "bf16_stochastic_rounding": lambda v: _parse_bool(v),
     "min_8bit_size": int,
     "sr_seed": int,
     "amsgrad": lambda v: _parse_bool(v),
     "maximize": lambda v: _parse_bool(v),
-    "backend": str,
+    "backend": lambda v: check_backend(v, "backend"),
 }
 
 
@@ -40,20 +53,29 @@ def _split_options(text: str | None, where: str) -> dict[str, str]:
 
 
 def fused_adamw_options(args: Any) -> dict[str, Any]:
-    """FusedAdamW keyword arguments from ``FASTTRAIN_OPTIM_ARGS`` and ``args.optim_args`` (a ValueError names
-    a key FusedAdamW does not understand or a value it cannot read)."""
-    raw = {**_split_options(os.environ.get("FASTTRAIN_OPTIM_ARGS"), "FASTTRAIN_OPTIM_ARGS")}
-    raw.update(_split_options(getattr(args, "optim_args", None), "optim_args"))
+    """FusedAdamW keyword arguments from ``FASTTRAIN_OPTIM_ARGS`` and ``args.optim_args`` (a ValueError names,
+    in the terms the user wrote them and where, a key FusedAdamW does not understand or a value it cannot read)."""
+    sources = {
+        key: ("FASTTRAIN_OPTIM_ARGS", value)
+        for key, value in _split_options(
+            os.environ.get("FASTTRAIN_OPTIM_ARGS"), "FASTTRAIN_OPTIM_ARGS"
+        ).items()
+    }
+    sources.update(
+        (key, ("optim_args", value))
+        for key, value in _split_options(getattr(args, "optim_args", None), "optim_args").items()
+    )
     options = {}
-    for key, value in raw.items():
+    for key, (where, value) in sources.items():
         parse = _OPTION_PARSERS.get(key)
         if parse is None:
             raise ValueError(
-                f"optim_args: FusedAdamW (optim={args.optim!r}) does not understand {key!r}; known: "
-                f"{', '.join(_OPTION_PARSERS)} (or switch the optimizer hot path off: FASTTRAIN_DISABLE=optimizer)"
+                f"{where}: {key!r} is not an option of fasttrain's AdamW (optim="
+                f"{getattr(args.optim, 'value', args.optim)!r}); known: {', '.join(_OPTION_PARSERS)} "
+                "(or switch the optimizer hot path off: FASTTRAIN_DISABLE=optimizer)"
             )
         try:
             options[key] = parse(value)
         except ValueError as err:
-            raise ValueError(f"optim_args: {key}={value!r}: {err}") from None
+            raise ValueError(f"{where}: {key}={value!r}: {err}") from None
     return options

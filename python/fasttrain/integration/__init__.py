@@ -1,0 +1,60 @@
+"""Everything fasttrain does to a ``transformers.Trainer``, and nothing else of fasttrain touches one.
+
+``apply(trainer, hot_paths)`` runs once, right after the Trainer's own ``__init__`` (``fasttrain.Trainer`` and the
+``__init__`` that ``fasttrain.patch()`` wraps both call it). One module per hot path's contact with the Trainer:
+
+- ``collator``: ``trainer.data_collator`` becomes the Rust equivalent of a transformers or TRL collator;
+- ``packing`` (policy in ``packing_policy``): the training loader's batches packed into padding-free rows;
+- ``sampler``: the Rust length-grouped sampler (private ``_get_train_sampler``, signature-checked);
+- ``optimizer``: ``FusedAdamW`` through ``create_optimizer`` and ``optimizer_cls_and_kwargs``, DeepSpeed's client;
+- ``clip``: the norm in one pass, the clip applied inside the next step (private ``_clip_grad_norm``);
+- ``loss`` / ``loss_trl``: the fused loss in the model's forward, or TRL's fused LM head served by our kernel;
+- ``budget``: token-budget batches (``fasttrain.Trainer(max_tokens_per_batch=...)``);
+
+and ``trainer_api`` (the instance-override helper, the private-hook check, the questions several paths ask),
+``ledger`` (the status of each path) and ``settle`` (the status line after the first optimizer step).
+
+Overrides are instance attributes, installed only where their path may run; they call the class's method as it is
+at call time (a method patched or mocked on the class after construction is still called) and hold the trainer
+weakly. The Trainer's callbacks, arguments, logs and checkpoints are not touched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._logging import follow_trainer_log_level, log_once
+from ..hot_paths import HotPaths
+from . import budget, clip, collator, loss, optimizer, packing, sampler
+from .ledger import Seam, attach, seam_of
+from .trainer_api import deepspeed_config, launched_alone_problem
+
+__all__ = ["Seam", "apply", "seam_of"]
+
+
+def apply(
+    trainer: Any, hot_paths: HotPaths | None = None, *, max_tokens_per_batch: int | None = None
+) -> None:
+    """Switch fasttrain's hot paths on for ``trainer`` (once, right after ``Trainer.__init__``)."""
+    seam = attach(trainer, HotPaths.from_env(hot_paths))
+    trainer.hot_paths = seam.paths
+    trainer.fasttrain_status = seam.status
+    follow_trainer_log_level(trainer.args.get_process_log_level())
+    seam.deepspeed = deepspeed_config(trainer)
+    alone = launched_alone_problem(trainer)
+    if alone is not None:
+        seam.notes.append(alone)
+        log_once(f"launched-alone:{alone}", f"fasttrain: {alone}")
+    if max_tokens_per_batch is not None:
+        budget.arm(trainer, max_tokens_per_batch)
+    optimizer.arm(trainer, seam)  # always: its first step settles the status
+    if seam.paths.collator:
+        collator.arm(trainer, seam)
+    if seam.paths.packing:
+        packing.arm(trainer, seam)
+    if seam.paths.sampler:
+        sampler.arm(trainer, seam)
+    if seam.paths.clip:
+        clip.arm(trainer, seam)
+    if seam.paths.loss:
+        loss.arm(trainer, seam)
