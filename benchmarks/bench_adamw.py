@@ -18,26 +18,24 @@ The step-only columns run the same torch kernel on both sides: their ratio shows
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+import _common
 from fasttrain import FusedAdamW
-from fasttrain.bench.report import cpu_model
 
 
 def llama_like_shapes(vocab=32000, hidden=512, inter=1536, layers=10):
     shapes = [(vocab, hidden)]
     for _ in range(layers):
-        shapes += [(hidden, hidden)] * 4 + [(inter, hidden), (inter, hidden), (hidden, inter)] + [(hidden,)] * 2
+        shapes += (
+            [(hidden, hidden)] * 4 + [(inter, hidden), (inter, hidden), (hidden, inter)] + [(hidden,)] * 2
+        )
     shapes.append((hidden,))
     return shapes
 
@@ -127,16 +125,16 @@ def main() -> None:
     }
     result = {
         "benchmark": "adamw_cpu",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "date": _common.utc_now(),
+        "command": _common.command(),
         "machine": {
-            "cpu": cpu_model(),
+            "cpu": _common.cpu_model(),
             "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(),
         },
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
+        "versions": _common.versions("torch"),
         "n_params": n_params,
         "n_tensors": len(shapes),
         "reference": "torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW(fused=True)",

@@ -10,8 +10,8 @@ One run, every optimizer on the same model, data and schedule:
   (a property of the layout, not a traffic counter; clipping adds a norm pass, and torch's clip_grad_norm_ a
   scaling pass that reads and writes the gradient again);
 - convergence: a small causal LM (Llama architecture from transformers, random init, ~0.4M parameters) trained
-  ``--steps`` steps on the standard library's source (fasttrain's offline bench corpus, its BPE tokenizer at a
-  1,024 vocabulary), warm-up + cosine lr, clipping at 1.0; the final loss (mean of the last 25 steps) and a
+  ``--steps`` steps on the standard library's source (a byte-level BPE at a 1,024 vocabulary trained on it
+  here), warm-up + cosine lr, clipping at 1.0; the final loss (mean of the last 25 steps) and a
   held-out loss, with each run's ratio to its reference (bf16 parameters: FusedAdamW with fp32 moments; fp32
   parameters: torch's fused AdamW), and the loss curves (plot).
 
@@ -24,24 +24,23 @@ bitsandbytes torchao``), and the results say when they did not.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
+import itertools
 import json
 import math
 import os
-import platform
-import shlex
+import random
 import statistics
-import sys
+import sysconfig
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+import _common
 from fasttrain import FusedAdamW
-from fasttrain.bench import corpus, tokenizer
-from fasttrain.bench.report import cpu_model
 
 SEQ_LEN, BATCH, EVAL_BATCHES, VOCAB = 128, 8, 4, 1024
 PEAK_LR, WARMUP, MAX_NORM, WEIGHT_DECAY = 3e-3, 20, 1.0, 0.01
@@ -57,16 +56,45 @@ def model_config():
     )  # fmt: skip
 
 
-def token_batches(n_batches: int) -> torch.Tensor:
-    """int64 [n_batches, BATCH, SEQ_LEN]: the corpus' documents tokenized, joined by EOS, cut in sequences."""
-    from tokenizers import Tokenizer
+def stdlib_sources() -> Iterator[str]:
+    """The standard library's .py files (third-party packages under it left out), sorted then shuffled with a
+    fixed seed, so that a prefix mixes packages and sizes: real code, on every machine, without a download."""
+    files = []
+    for directory, subdirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages")]  # never walked into
+        files += [Path(directory, name) for name in names if name.endswith(".py")]
+    files.sort()
+    random.Random(0).shuffle(files)
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(text) >= 64:  # near-empty __init__.py stubs carry nothing
+            yield text
 
-    path, _cached = tokenizer.load_or_train(vocab_size=VOCAB, train_bytes=1_000_000)
-    tok = Tokenizer.from_file(str(path))
-    eos = tok.token_to_id(tokenizer.EOS_TOKEN)
+
+def token_batches(n_batches: int) -> torch.Tensor:
+    """int64 [n_batches, BATCH, SEQ_LEN]: stdlib sources through a byte-level BPE of VOCAB tokens trained on
+    their first ~1 MB (a few seconds), joined by an end-of-text token, cut in sequences."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    sources = stdlib_sources()
+    sample, size = [], 0
+    while size < 1_000_000:
+        sample.append(next(sources))
+        size += len(sample[-1])
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(sample, trainer=trainer)
+    eos = tok.token_to_id("<|endoftext|>")
     need = n_batches * BATCH * SEQ_LEN
     ids: list[int] = []
-    for document in corpus.iter_documents():
+    for document in itertools.chain(sample, sources):
         ids += [*tok.encode(document).ids, eos]
         if len(ids) >= need:
             break
@@ -251,23 +279,17 @@ def main() -> None:
         r["state_vs_torch"] = r["state_bytes"] / t["state_bytes"] if t else None
         r["state_vs_fp32_states"] = r["state_bytes_per_param"] / 8.0
 
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("transformers", "bitsandbytes", "torchao"):
-        try:
-            versions[name] = __import__(name).__version__
-        except Exception:  # recorded as absent, whatever the reason
-            versions[name] = None
     info = {
         "benchmark": "adamw_modes",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "date": _common.utc_now(),
+        "command": _common.command(),
         "machine": {
-            "cpu": cpu_model(),
+            "cpu": _common.cpu_model(),
             "cores": os.cpu_count(),
             "torch_threads": args.threads,
             "loadavg": os.getloadavg(),
         },
-        "versions": versions,
+        "versions": _common.versions("torch", "transformers", "bitsandbytes", "torchao"),
         "setup": {
             "steps": args.steps,
             "seq_len": SEQ_LEN,

@@ -24,46 +24,24 @@ Figures are written by this script only; never type them by hand.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import gc
 import json
 import os
 import platform
-import shlex
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import datasets
 import numpy as np
-import tokenizers
 import torch
 import transformers
-from transformers import PreTrainedTokenizerFast
 
-import fasttrain
-from fasttrain.bench.report import cpu_model
-from fasttrain.data import collators as ft
+import _common
+import fasttrain as ft  # the public collators
 
 PAD_ID = 0
 VOCAB = 32_000
-
-
-def _version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"[PAD]": PAD_ID, "[UNK]": 1, **{f"w{i}": i for i in range(2, 100)}}
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]")
 
 
 def make_rows(batch: int, min_len: int, max_len: int, rng: np.random.Generator, data: str) -> list[dict]:
@@ -131,14 +109,10 @@ def timed(fn: Callable, batch: list) -> tuple[float, float]:
     """One call's (wall time, CPU time of the process), the garbage collector run before and off during the
     call (as timeit does: otherwise a collection of one side's garbage lands on whichever side allocates next).
     CPU time leaves out the time the call spent descheduled, which dominates short calls on a loaded machine."""
-    gc.collect()
-    gc.disable()
-    try:
+    with _common.gc_paused():
         wall, cpu = time.perf_counter(), time.process_time()
         fn(batch)
         return time.perf_counter() - wall, time.process_time() - cpu
-    finally:
-        gc.enable()
 
 
 def alternate(ref: Callable, ours: Callable, batches: list, calls: int) -> tuple[list, list]:
@@ -255,7 +229,7 @@ def main() -> None:
     if args.smoke:
         args.batch, args.max_len, args.calls, args.batches = 8, 64, 3, 2
 
-    tok = make_tokenizer()
+    tok = _common.word_level_tokenizer()  # pad id 0 = PAD_ID
     rng = np.random.default_rng(args.seed)
     raw = {
         data: [make_rows(args.batch, args.min_len, args.max_len, rng, data) for _ in range(args.batches)]
@@ -297,26 +271,19 @@ def main() -> None:
 
     record = {
         "benchmark": "collators",
-        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "benchmarks/bench_collators.py", *sys.argv[1:]]),
+        "date_utc": _common.utc_now(),
+        "command": _common.command(),
         "machine": {
-            "cpu": cpu_model(),
+            "cpu": _common.cpu_model(),
             "cores": os.cpu_count(),
             "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "platform": platform.platform(),
             # The development machines are shared: the load says how busy the cores were.
             "load_average_1_5_15min_at_start": list(os.getloadavg()),
         },
-        "versions": {
-            "python": platform.python_version(),
-            "fasttrain": fasttrain.__version__,
-            "transformers": transformers.__version__,
-            "trl": _version("trl"),
-            "torch": torch.__version__,
-            "numpy": np.__version__,
-            "tokenizers": tokenizers.__version__,
-            "datasets": datasets.__version__,
-        },
+        "versions": _common.versions(
+            "fasttrain", "transformers", "trl", "torch", "numpy", "tokenizers", "datasets"
+        ),
         "setup": {
             "batch": args.batch,
             "lengths": [args.min_len, args.max_len],

@@ -24,12 +24,9 @@ paths, not the GPU kernels.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import itertools
 import json
 import os
-import platform
-import shlex
 import socket
 import statistics
 import subprocess
@@ -37,6 +34,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import _common
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
@@ -89,16 +88,6 @@ def _dataset(a, rows: int):
         for _ in range(rows)
     ]
     return datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
-
-
-def _tokenizer(vocab: int):
-    import tokenizers
-    import transformers
-
-    words = {"[PAD]": 0, "[UNK]": 1, **{f"t{i}": i for i in range(2, vocab)}}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
 
 
 def _start_engine(engine: str) -> int:
@@ -192,7 +181,9 @@ def _train(engine: str, patched: bool, a) -> dict:
         model=model,
         args=args,
         train_dataset=_dataset(a, a.steps * a.batch * 2),
-        data_collator=transformers.DataCollatorForSeq2Seq(_tokenizer(a.vocab), padding=True),
+        data_collator=transformers.DataCollatorForSeq2Seq(
+            _common.word_level_tokenizer(a.vocab), padding=True
+        ),
         callbacks=[StepClock()],
     )
     _peak_rss_reset()
@@ -286,27 +277,13 @@ def launch(engine: str, a, out_dir: Path) -> dict:
 
 
 def _environment() -> dict:
-    import accelerate
-    import deepspeed
-    import torch
-    import transformers
-
-    import fasttrain
-
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())  # fmt: skip
     return {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "cpu": cpu,
+        "date": _common.utc_now(),
+        "cpu": _common.cpu_model(),
         "cores": os.cpu_count(),
         "load_average_at_start": os.getloadavg()[0],
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "accelerate": accelerate.__version__,
-        "deepspeed": deepspeed.__version__,
-        "fasttrain": fasttrain.__version__,
-        "command": "python " + shlex.join(["benchmarks/bench_engines.py", *sys.argv[1:]]),
+        **_common.versions("torch", "transformers", "accelerate", "deepspeed", "fasttrain"),
+        "command": _common.command(),
     }
 
 

@@ -29,16 +29,16 @@ warm-up step), then the median over rounds.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import _common
 
 HERE = Path(__file__).resolve().parent
 VOCAB = 151_936
@@ -189,40 +189,9 @@ def _run_child(case: str, impl: str, steps: int, tokens: int) -> dict:
 
 
 def _machine() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads_used": _torch_threads()}
-
-
-def _torch_threads() -> int:
     import torch
 
-    return torch.get_num_threads()
-
-
-def _versions() -> dict:
-    import torch
-    import transformers
-
-    import fasttrain
-
-    out = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
-    out["fasttrain"] = fasttrain.__version__
-    try:
-        import trl
-
-        out["trl"] = trl.__version__
-    except ImportError:
-        pass
-    return out
+    return {"cpu": _common.cpu_model(), "cores": os.cpu_count(), "threads_used": torch.get_num_threads()}
 
 
 def main() -> None:
@@ -267,10 +236,10 @@ def main() -> None:
         results[case] = summary
 
     record = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": _common.utc_now(),
+        "command": _common.command(),
         "machine": _machine(),
-        "versions": _versions(),
+        "versions": _common.versions("torch", "transformers", "fasttrain", "trl"),
         "settings": {"rounds": args.rounds, "steps": args.steps, "tokens": args.tokens, "vocab": VOCAB},
         "results": results,
     }

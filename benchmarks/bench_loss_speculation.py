@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+
+import _common
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -92,14 +91,6 @@ def _measure(case: str, dtype: str, args) -> dict:
     }
 
 
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=1024)
@@ -115,16 +106,13 @@ def main() -> None:
     rows = [
         _measure(case, dtype, args) for case in ("ce", "trl_sft", "frozen_head") for dtype in ("fp32", "bf16")
     ]
-    import transformers
-
     meta = {
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python " + " ".join(sys.argv),
+        "date": _common.utc_now(),
+        "command": _common.command(),
         "hardware": torch.cuda.get_device_name()
         if args.device == "cuda"
-        else f"{_cpu_model()}, {torch.get_num_threads()} torch threads",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__},
+        else f"{_common.cpu_model()}, {torch.get_num_threads()} torch threads",
+        "versions": _common.versions("torch", "transformers"),
         "shape": {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "ignored": "1 in 5"},
         "reps": args.reps,
     }  # fmt: skip

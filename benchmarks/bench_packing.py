@@ -2,9 +2,11 @@
 
 A tiny Qwen3-shaped model, log-normal example lengths (instruction-data-like), no length grouping on any side,
 the LM collator (labels = input_ids, pad ignored). Same steps, same data, same seed; runs alternate, medians of
-``--repeats``. Tokens/s counts real (non-pad) tokens. Writes benchmarks/results/packing.{json,md}.
+``--repeats``. Tokens/s counts real (non-pad) tokens. Writes packing.{json,md} (``--interleaved``:
+packing_interleaved.json) under ``--out`` (default benchmarks/results).
 
     python benchmarks/bench_packing.py --repeats 2
+    python benchmarks/bench_packing.py --repeats 1 --steps 2 --batch 2 --longest 64 --out /tmp   # smoke run
 """
 
 from __future__ import annotations
@@ -12,9 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -22,8 +22,7 @@ import numpy as np
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import _tiny as tiny
+import _common
 import fasttrain
 
 
@@ -52,18 +51,29 @@ def _dataset(n: int, vocab: int, median: int, longest: int, seed: int = 0):
     return datasets.Dataset.from_dict({"input_ids": rows}), lengths
 
 
-def _run(kind: str, args, dataset, out: str):
-    tok = tiny.tokenizer()
-    model = _model(args.vocab, args.hidden, args.layers)
-    collator = transformers.DataCollatorForLanguageModeling(tok, mlm=False)
-    targs = tiny.training_args(
-        out,
+def _training_args(out: str, args) -> transformers.TrainingArguments:
+    return transformers.TrainingArguments(
+        output_dir=out,
         per_device_train_batch_size=args.batch,
-        gradient_accumulation_steps=1,
         max_steps=args.steps,
-        logging_steps=1,
+        learning_rate=3e-3,
+        warmup_steps=1,
         max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
+
+
+def _run(kind: str, args, dataset, out: str):
+    model = _model(args.vocab, args.hidden, args.layers)
+    collator = transformers.DataCollatorForLanguageModeling(_common.word_level_tokenizer(), mlm=False)
+    targs = _training_args(out, args)
     if kind == "reference":
         trainer = transformers.Trainer(model=model, args=targs, train_dataset=dataset, data_collator=collator)
     else:
@@ -82,10 +92,11 @@ def _interleaved(args, dataset) -> dict:
     """One model, the same batches: forward + backward of each batch padded, then packed, alternating, ``--rounds``
     times; per-batch medians (less exposed to a loaded machine than whole runs minutes apart)."""
     from fasttrain.data import packing
+    from fasttrain.integration import packing_policy
 
     model = _model(args.vocab, args.hidden, args.layers).train()
-    collator = transformers.DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False)
-    cost = packing.PackingCost(model.config, "sdpa")
+    collator = transformers.DataCollatorForLanguageModeling(_common.word_level_tokenizer(), mlm=False)
+    cost = packing_policy.PackingCost(model.config, "sdpa")
     rows = [dataset[i] for i in range(len(dataset))]
     batches = [rows[i : i + args.batch] for i in range(0, len(rows), args.batch)]
     padded_s, packed_s, gate = [[] for _ in batches], [[] for _ in batches], []
@@ -127,20 +138,21 @@ def main() -> None:
     p.add_argument("--longest", type=int, default=1024)
     p.add_argument("--interleaved", action="store_true", help="per-batch forward+backward, padded vs packed")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args()
     n = args.steps * args.batch
     dataset, lengths = _dataset(n, args.vocab, args.median, args.longest)
     if args.interleaved:
         result = _interleaved(args, dataset)
         result.update(
-            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            command="python benchmarks/bench_packing.py " + " ".join(sys.argv[1:]),
-            hardware=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs (shared), no GPU",
-            versions={"torch": torch.__version__, "transformers": transformers.__version__},
-            settings=vars(args),
+            date=_common.utc_now(),
+            command=_common.command(),
+            hardware=f"{_common.cpu_model()}, {os.cpu_count()} CPUs (shared), no GPU",
+            versions=_common.versions("torch", "transformers"),
+            settings={**vars(args), "out": str(args.out)},
         )
-        out = Path(__file__).parent / "results" / "packing_interleaved.json"
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "packing_interleaved.json").write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2))
         return
     tokens = int(lengths.sum())  # the random sampler sees every row once in steps * batch rows
@@ -158,15 +170,11 @@ def main() -> None:
         k: max(abs(a - b) for a, b in zip(losses[k], losses["reference"], strict=True)) for k in kinds[1:]
     }
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python benchmarks/bench_packing.py " + " ".join(sys.argv[1:]),
-        "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs (shared), no GPU",
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "fasttrain": fasttrain.__version__ if hasattr(fasttrain, "__version__") else "dev",
-        },
-        "settings": vars(args),
+        "date": _common.utc_now(),
+        "command": _common.command(),
+        "hardware": f"{_common.cpu_model()}, {os.cpu_count()} CPUs (shared), no GPU",
+        "versions": _common.versions("torch", "transformers", "fasttrain"),
+        "settings": {**vars(args), "out": str(args.out)},
         "real_tokens": tokens,
         "padded_tokens": int(
             sum(
@@ -183,7 +191,8 @@ def main() -> None:
         "packing_status": packing,
         "losses": losses,
     }
-    out = Path(__file__).parent / "results"
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
     (out / "packing.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         "# packing: reference padded vs fasttrain packed vs fasttrain padded",

@@ -26,14 +26,9 @@ plain Python loop, on log-normal lengths (median 180, 16..1024); writes sampler_
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import gc
 import json
 import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -41,12 +36,11 @@ import datasets
 import numpy as np
 import pyarrow as pa
 import torch
-import transformers
 from transformers.trainer_pt_utils import LengthGroupedSampler as RefSampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
+import _common
 import fasttrain
-from fasttrain.bench.report import cpu_model
 from fasttrain.data.sampler import LengthGroupedSampler, length_grouped_indices, token_budget_batches
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -137,19 +131,14 @@ def budget_main(args: argparse.Namespace, command: str) -> None:
     )
     results = {
         "benchmark": "sampler_budget",
-        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": _common.utc_now(),
         "command": command,
         "machine": {
-            "cpu": cpu_model(),
+            "cpu": _common.cpu_model(),
             "cores": os.cpu_count(),
             "load_average_at_start": load_before,
         },
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "numpy": np.__version__,
-            "fasttrain": fasttrain.__version__,
-        },
+        "versions": _common.versions("torch", "numpy", "fasttrain"),
         "config": {
             "rows": args.rows,
             "max_tokens_per_batch": budget,
@@ -197,14 +186,10 @@ boundaries (checked before timing). Alternating runs, garbage collector off duri
 
 def timed(fn):
     """Wall time of one call, the garbage collector run before and off during it (as timeit does)."""
-    gc.collect()
-    gc.disable()
-    try:
+    with _common.gc_paused():
         start = time.perf_counter()
         result = fn()
         return time.perf_counter() - start, result
-    finally:
-        gc.enable()
 
 
 def alternate(reference, ours, repeats: int) -> tuple[list[float], list[float]]:
@@ -249,7 +234,7 @@ def main() -> None:
     parser.add_argument("--budget-only", action="store_true", help="only the token-budget batches")
     parser.add_argument("--max-tokens", type=int, default=4096, help="token budget of --budget-only")
     args = parser.parse_args()
-    command = shlex.join(["python", "benchmarks/bench_sampler.py", *sys.argv[1:]])
+    command = _common.command()
     if args.budget_only:
         budget_main(args, command)
         return
@@ -298,23 +283,15 @@ def main() -> None:
 
     results = {
         "benchmark": "sampler",
-        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": _common.utc_now(),
         "command": command,
         "machine": {
-            "cpu": cpu_model(),
+            "cpu": _common.cpu_model(),
             "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "load_average_at_start": load_before,
         },
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "datasets": datasets.__version__,
-            "pyarrow": pa.__version__,
-            "numpy": np.__version__,
-            "fasttrain": fasttrain.__version__,
-        },
+        "versions": _common.versions("torch", "transformers", "datasets", "pyarrow", "numpy", "fasttrain"),
         "config": {
             "rows": args.rows,
             "startup_rows": startup_rows,

@@ -126,15 +126,15 @@ def test_table_shows_every_row(results):
         assert label in text
     assert "(1.27x)" in text  # 140 / 110 tokens/s
     assert "(0.49x)" in text  # 250 / 510 MB
-    assert "optimizer, clip, collator, sampler; off: loss (off: not a causal LM)" in text
-    assert "exclude the first 1 (warm-up) steps" in text
+    assert "optimizer, clip, collator, sampler on; off: loss (not a causal LM)" in text
+    assert "the first step not timed (warm-up)" in text
 
 
 def test_markdown_has_provenance(results):
     md = report.markdown(CONFIG, _full(results))
     assert "- command: `fasttrain bench --model tiny`" in md
     assert "- date (UTC): " in md and "- machine: " in md and "torch " in md
-    assert "| tokens/s | 110.0 | 140.0 (1.27x) |" in md
+    assert "| tokens/s (higher is better) | 110.0 | 140.0 (1.27x) |" in md
 
 
 def test_json_schema_and_nan_becomes_null(results, tmp_path):
@@ -266,7 +266,7 @@ def test_a_failed_contender_is_in_the_table_with_its_error(results, tmp_path):
     data.update(command="fasttrain bench", wall_s=1.0, environment=report.environment(data))
     header, table = report.rows(data)
     assert header == ["", "reference", "liger", "fasttrain"]
-    assert table[0] == ["tokens/s", "110.0", "failed", "140.0 (1.27x)"]
+    assert table[0] == ["tokens/s (higher is better)", "110.0", "failed", "140.0 (1.27x)"]
     error_row = table[-1]
     assert error_row[0] == "error" and error_row[1] == error_row[3] == "-"
     assert error_row[2].endswith("RuntimeError: no kernel for sm_90")
@@ -285,7 +285,7 @@ def test_without_a_finished_reference_there_are_no_ratios(results):
     assert "the reference failed: no ratios" in text
     header, table = report.rows(data)
     assert header == ["", "reference", "fasttrain"]
-    assert table[0] == ["tokens/s", "failed", "140.0"]
+    assert table[0] == ["tokens/s (higher is better)", "failed", "140.0"]
 
 
 def test_run_all_goes_on_after_a_crash_and_reports_every_run(monkeypatch):
@@ -369,3 +369,119 @@ def test_the_lengths_and_the_grouping_are_described(results):
     natural = report.text_table(CONFIG, _full(results))
     assert "sequences up to 32 tokens (the data's natural lengths)" in natural
     assert "; grouped by length" in natural
+
+
+# --- what a new user reads (issue 23): each of these failed on the old report ---
+
+
+@pytest.mark.parametrize(
+    ("status", "cell"),
+    [
+        ({"optimizer": "on", "sampler": "off: group_by_length is not set"},
+         "optimizer on; off: sampler (group_by_length is not set)"),
+        ({"loss": "off: switched off", "sampler": "off: group_by_length is not set"},
+         "off: loss (switched off), sampler (group_by_length is not set)"),
+        ({"optimizer": "on", "clip": "on"}, "optimizer, clip on"),
+    ],
+)  # fmt: skip
+def test_an_off_hot_path_says_off_once(status, cell):
+    text = report._hot_paths({"trainer": "fasttrain", "hot_paths": status})
+    assert text == cell
+    assert text.count("off:") <= 1 and "(off:" not in text
+
+
+def test_every_ratio_row_says_which_way_is_better(results):
+    _, table = report.rows(_full(results))
+    labels = {row[0].strip(): row for row in table}
+    ratio_rows = [label for label, row in labels.items() if any(c.endswith("x)") for c in row[1:])]
+    assert sorted(ratio_rows) == sorted(
+        [
+            "tokens/s (higher is better)",
+            "step time, s (lower is better)",
+            "tokens per CPU-second (higher is better)",
+            "peak memory, MB (lower is better)",
+            "of which above setup, MB (lower is better)",
+        ]
+    )
+    assert report.RATIO_LEGEND in report.text_table(CONFIG, _full(results))
+
+
+@pytest.mark.parametrize("model", ["tiny", "qwen3-cpu", "qwen3-0.6b", "qwen3-1.7b"])
+def test_a_built_in_model_says_its_size(results, model):
+    import dataclasses
+
+    text = report.text_table(dataclasses.replace(CONFIG, model=model), _full(results))
+    assert f"model {model} (hidden " in text and "vocab 151,936" in text
+    assert " parameters, LM head " in text and "of the matmul FLOPs" in text
+    if model == "tiny":
+        assert (
+            "model tiny (hidden 32, 1 layer, vocab 151,936, 4.9M parameters, LM head 99.8% of the matmul"
+            in text
+        )
+
+
+def test_the_recorded_shape_of_any_model_is_described(results):
+    import dataclasses
+
+    for run in results["reference"]:
+        run["model_shape"] = {"hidden_size": 64, "num_hidden_layers": 3, "vocab_size": 1000,
+                              "parameters": 250_000, "lm_head_matmul_share": 0.25}  # fmt: skip
+    text = report.text_table(dataclasses.replace(CONFIG, model="./ckpt"), _full(results))
+    assert (
+        "model ./ckpt (hidden 64, 3 layers, vocab 1,000, 0.2M parameters, LM head 25% of the matmul FLOPs)"
+        in text
+    )
+
+
+def test_built_in_parameter_counts_match_the_models():
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from fasttrain.bench import models
+
+    for name in models.BUILTIN_SHAPES:
+        with torch.device("meta"):  # the size without the memory
+            model = Qwen3ForCausalLM(models.builtin_config(name, 128))
+        assert models.builtin_parameters(name) == model.num_parameters(), name
+        assert models.model_summary(model) == models.builtin_summary(name), name
+
+
+def test_one_step_is_singular_and_no_warm_up_is_a_warning(results):
+    import dataclasses
+
+    for runs in results.values():
+        for run in runs:
+            run["warmup_steps_excluded"] = 0
+    del results["reference"][1], results["fasttrain"][1]
+    one = dataclasses.replace(CONFIG, steps=1, warmup_steps=0)
+    text = report.text_table(one, _full(results))
+    assert "1 step x batch" in text and "1 steps" not in text
+    assert "1 repetition per contender" in text and "repetition(s)" not in text
+    assert "exclude the first 0" not in text
+    assert "non-padding tokens; every step timed" in text
+    assert f"WARNING: {report.NO_WARMUP_NOTE}" in text
+    assert "compilation" in report.NO_WARMUP_NOTE
+
+
+def test_two_warm_up_steps_are_plural(results):
+    for runs in results.values():
+        for run in runs:
+            run["warmup_steps_excluded"] = 2
+    text = report.text_table(CONFIG, _full(results))
+    assert "the first 2 steps not timed (warm-up)" in text and "WARNING" not in text
+
+
+def test_the_progress_bar_counts_each_run_s_own_steps(monkeypatch, capsys):
+    """`--steps 4` with two runs showed a bare 8/8: each run's step count is now said against --steps, and the
+    total is labelled as the sum over runs."""
+
+    def fake_run_one(config, contender, workdir, tag, on_step):
+        for _ in range(config.steps):
+            on_step(1)
+        return _run(contender.name, contender.trainer, 100.0, 500.0, [4.0, 3.0, 2.0, 1.0])
+
+    monkeypatch.setattr(runner, "run_one", fake_run_one)
+    runner.run_all(CONFIG, [Contender("reference", "reference"), Contender("fasttrain", "fasttrain")], 1)
+    err = capsys.readouterr().err
+    assert "run 2/2 (fasttrain, repetition 1/1), step 4/4" in err
+    assert "8/8 steps of all runs" in err

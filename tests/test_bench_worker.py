@@ -38,6 +38,7 @@ def test_worker_result_schema(reference_result):
     assert r["memory_kind"].startswith("peak RSS")
     assert r["trainer_class"] == "transformers.trainer.Trainer"
     assert r["progress_lines"] == ["1", "2", "3"]
+    assert r["model_shape"]["hidden_size"] == 32 and r["model_shape"]["vocab_size"] == 151_936
     json.dumps(r, allow_nan=False)
 
 
@@ -116,7 +117,12 @@ def test_python_m_fasttrain_bench_end_to_end(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tokens/s" in proc.stdout and "largest per-step loss diff" in proc.stdout
-    assert "reference 1/1" in proc.stderr and "fasttrain 1/1" in proc.stderr  # the progress bar
+    # the progress bar: each run's steps against --steps, the total labelled as the sum over runs
+    assert (
+        "(reference, repetition 1/1), step 2/2" in proc.stderr
+        and "(fasttrain, repetition 1/1)" in proc.stderr
+    )
+    assert "4/4 steps of all runs" in proc.stderr
     data = json.loads(out.with_suffix(".json").read_text())
     for side in ("reference", "fasttrain"):
         assert {"tokens_per_s", "peak_memory_mb", "losses"} <= data[side].keys()
@@ -126,7 +132,8 @@ def test_python_m_fasttrain_bench_end_to_end(tmp_path):
     # same weights, same first batch: the first loss agrees to fp32 rounding whichever loss path runs
     assert data["fasttrain"]["losses"][0] == pytest.approx(data["reference"]["losses"][0], rel=1e-4)
     assert data["command"].startswith("fasttrain bench --device cpu --model tiny")
-    assert "| tokens/s |" in out.with_suffix(".md").read_text()
+    assert "| tokens/s (higher is better) |" in out.with_suffix(".md").read_text()
+    assert "model tiny (hidden 32, 1 layer, vocab 151,936" in proc.stdout
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 

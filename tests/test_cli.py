@@ -300,3 +300,43 @@ def test_a_crashing_contender_is_reported_and_the_others_finish(tmp_path, monkey
     assert data["complete"] is True and list(data["failed"]) == [FASTTRAIN]
     assert len(data[REFERENCE]["runs"]) == 2 and FASTTRAIN not in data
     assert "| error | - | the fasttrain run exited with code 1" in (tmp_path / "r.md").read_text()
+
+
+def test_the_plan_is_said_before_the_runs_with_the_model_s_size():
+    config, contenders, repeats = _resolve(["bench", "--device", "cpu", "--model", "tiny", "--steps", "4"])
+    (line,) = cli.announce(config, contenders, repeats)
+    assert line.startswith(
+        "fasttrain bench: 4 runs (reference, fasttrain; 2 repetitions each) of 4 optimizer steps"
+    )
+    assert "optimizer steps, the first 2 steps not timed (warm-up)" in line
+    assert "model tiny (hidden 32, 1 layer, vocab 151,936, 4.9M parameters" in line
+
+
+def test_one_step_is_singular_and_warns_that_the_timing_includes_warm_up(tmp_path, monkeypatch, capsys):
+    from fasttrain.bench import runner
+
+    def fake_run_one(config, contender, workdir, tag, on_step):
+        run = _finished_run(contender)
+        run.update(steps=1, warmup_steps_excluded=0, losses=[4.0])
+        return run
+
+    monkeypatch.setattr(runner, "run_one", fake_run_one)
+    argv = [*_bench_argv(tmp_path), "--steps", "1", "--warmup-steps", "0", "--repeats", "1"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "of 1 optimizer step, every step timed" in captured.err
+    assert "fasttrain bench: warning: no warm-up step is excluded from the timing" in captured.err
+    assert "1 step x batch" in captured.out and "1 steps" not in captured.out
+    assert "exclude the first 0" not in captured.out and "WARNING: no warm-up step" in captured.out
+    # without the warning when warm-up steps are left out
+    config, contenders, repeats = _resolve(["bench", "--device", "cpu", "--steps", "3"])
+    assert not any("warning" in line for line in cli.announce(config, contenders, repeats))
+
+
+def test_help_lists_every_built_in_shape_with_its_size(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for name in ("tiny", "qwen3-cpu", "qwen3-0.6b", "qwen3-1.7b"):
+        assert f"{name}: hidden " in out
+    assert "1 layer, vocab 151,936, 4.9M parameters" in out

@@ -56,6 +56,8 @@ class UsageError(ValueError):
 
 
 def _bench_parser(sub) -> argparse.ArgumentParser:
+    from .bench import models  # light: no torch, no transformers
+
     p = sub.add_parser(
         "bench",
         help="run the transformers Trainer and fasttrain side by side",
@@ -73,10 +75,14 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
         "DPOTrainer (completion-only SFT; DPO with a reference model), plain against under fasttrain.patch() "
         "(needs trl; default: transformers)",
     )
+    shapes = "; ".join(
+        f"{n}: {models.describe_summary(models.builtin_summary(n))}" for n in models.BUILTIN_SHAPES
+    )
     p.add_argument(
         "--model",
-        help="built-in shape (tiny, qwen3-cpu, qwen3-0.6b, qwen3-1.7b; random init), "
-        "a local directory or a hub id (default: qwen3-cpu on cpu, qwen3-0.6b on cuda)",
+        # argparse %-formats help strings: the shapes' percentages need doubling
+        help=f"a built-in Qwen3 shape at random init ({shapes.replace('%', '%%')}), a local directory or a hub "
+        "id (default: qwen3-cpu on cpu, qwen3-0.6b on cuda)",
     )
     p.add_argument(
         "--dataset",
@@ -317,10 +323,28 @@ def _load_average() -> float | None:
         return None
 
 
+def announce(config, contenders, repeats: int) -> list[str]:
+    """What is about to run, said before the first run (minutes before the table): the runs, their steps and
+    the warm-up left out of the timing, the model's size; a warning when no warm-up step is left out."""
+    from .bench.report import NO_WARMUP_NOTE, model_note, plural, warmup_note
+
+    runs = len(contenders) * repeats
+    lines = [
+        f"fasttrain bench: {plural(runs, 'run')} ({', '.join(c.name for c in contenders)}; "
+        f"{plural(repeats, 'repetition')} each) of {plural(config.steps, 'optimizer step')}, "
+        f"{warmup_note(config.warmup_steps)}; model {model_note(config.model)}"
+    ]
+    if config.warmup_steps == 0:
+        lines.append(f"fasttrain bench: warning: {NO_WARMUP_NOTE}")
+    return lines
+
+
 def bench(args: argparse.Namespace, argv: list[str]) -> int:
     from .bench import report, runner, summary
 
     config, contenders, repeats = resolve(args)
+    for line in announce(config, contenders, repeats):
+        print(line, file=sys.stderr)
     started = time.perf_counter()
     load_start = _load_average()
     planned = len(contenders) * repeats

@@ -37,6 +37,68 @@ BUILTIN_SHAPES: dict[str, Shape] = {
 }
 
 
+def builtin_parameters(name: str) -> int:
+    """Parameters of a built-in shape, counted from Qwen3's layout (no model is built: qwen3-1.7b in fp32 would
+    cost 7 GB). Per layer: q/k/v/o projections, q/k norms, two RMSNorms, a gated MLP; the embedding is tied to
+    the LM head, so it counts once; plus the final norm."""
+    s = BUILTIN_SHAPES[name]
+    h, d = s.hidden_size, s.head_dim
+    attention = h * d * (2 * s.num_attention_heads + 2 * s.num_key_value_heads) + 2 * d
+    layer = attention + 2 * h + 3 * h * s.intermediate_size
+    return QWEN3_VOCAB * h + s.num_hidden_layers * layer + h
+
+
+def shape_summary(hidden: int, layers: int, vocab: int, parameters: int, tied: bool) -> dict:
+    """What the report says about a model's size. The LM head's share is of the matmul FLOPs a token costs
+    (every weight matrix once; attention scores aside, they grow with the context): a tied embedding is the
+    head itself, an untied one is a free lookup and left out."""
+    matmul = parameters - (0 if tied else vocab * hidden)
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "parameters": parameters,
+        "lm_head_matmul_share": vocab * hidden / matmul if matmul > 0 else None,
+    }
+
+
+def builtin_summary(name: str) -> dict:
+    s = BUILTIN_SHAPES[name]
+    return shape_summary(s.hidden_size, s.num_hidden_layers, QWEN3_VOCAB, builtin_parameters(name), tied=True)
+
+
+def model_summary(model) -> dict | None:
+    """``shape_summary`` of a built model, read from its output head (any causal LM); None without one."""
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "weight", None) is None or head.weight.dim() != 2:
+        return None
+    vocab, hidden = head.weight.shape
+    embedding = model.get_input_embeddings()
+    tied = embedding is not None and embedding.weight is head.weight
+    layers = getattr(model.config, "num_hidden_layers", None)
+    return shape_summary(hidden, layers, vocab, model.num_parameters(), tied)
+
+
+def describe_summary(summary: dict) -> str:
+    """'hidden 32, 1 layer, vocab 151,936, 4.9M parameters, LM head 99.8% of the matmul FLOPs'."""
+    layers = summary.get("num_hidden_layers")
+    parts = [f"hidden {summary['hidden_size']:,}"]
+    if layers is not None:
+        parts.append(f"{layers} layer{'' if layers == 1 else 's'}")
+    parts += [f"vocab {summary['vocab_size']:,}", f"{_millions(summary['parameters'])} parameters"]
+    share = summary.get("lm_head_matmul_share")
+    if share is not None:  # one decimal near 100%: "100%" would say the layers cost nothing
+        parts.append(f"LM head {share:.1%}" if share > 0.99 else f"LM head {share:.0%}")
+        parts[-1] += " of the matmul FLOPs"
+    return ", ".join(parts)
+
+
+def _millions(count: int) -> str:
+    if count >= 1e9:
+        return f"{count / 1e9:.2f}B"
+    return f"{count / 1e6:.0f}M" if count >= 1e8 else f"{count / 1e6:.1f}M"
+
+
 def builtin_config(name: str, max_position_embeddings: int):
     from transformers import Qwen3Config
 

@@ -85,12 +85,38 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 
 def _hot_paths(summary: dict[str, Any]) -> str:
+    """'optimizer, loss on; off: sampler (group_by_length is not set)'. A status is "on" or "off: <why>": the
+    "off: " is said once, before the list, not again inside each reason."""
     status = summary.get("hot_paths") or {}
     if not status:
         return "none reported" if summary["trainer"] == "fasttrain" else "-"
     on = [name for name, state in status.items() if state == "on"]
-    off = [f"{name} ({state})" for name, state in status.items() if state != "on"]
-    return ", ".join(on) + (("; off: " + ", ".join(off)) if off else "") if on else "off: " + ", ".join(off)
+    off = []
+    for name, state in status.items():
+        if state != "on":
+            reason = state.removeprefix("off:").strip() if state.startswith("off:") else state
+            off.append(f"{name} ({reason})" if reason and reason != "off" else name)
+    parts = ([", ".join(on) + " on"] if on else []) + (["off: " + ", ".join(off)] if off else [])
+    return "; ".join(parts)
+
+
+def plural(count: int, noun: str) -> str:
+    """'1 step', '2 steps'."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
+# Said before the runs (cli) and under the table: with nothing excluded, the first step's one-off costs count.
+NO_WARMUP_NOTE = (
+    "no warm-up step is excluded from the timing: the figures include the first step's one-off costs "
+    "(kernel compilation, first allocations, cold caches); run 2 or more --steps (up to 2 are left out by "
+    "default) with --warmup-steps unset or at least 1"
+)
+# Which way is better, per ratio: the rows carry it in their label, this line says how to read the parentheses.
+RATIO_LEGEND = (
+    "ratios in parentheses are the contender's value over the reference's: above 1x is better where a row "
+    "says 'higher is better' (tokens/s, tokens per CPU-second), below 1x where it says 'lower is better' "
+    "(step time, memory)"
+)
 
 
 def finished_columns(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -117,6 +143,10 @@ def _first_line(error: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+HIGHER = "higher is better"
+LOWER = "lower is better"
+
+
 def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the side-by-side table (one column per contender, ratios against the reference).
     A contender that failed before finishing a run has a column of "failed" and its error in the last row."""
@@ -139,11 +169,11 @@ def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         return cells
 
     table = [
-        line("tokens/s", "tokens_per_s", 1, "tokens_per_s_ratio"),
-        line("step time (s)", "step_time_s", 3, "step_time_ratio"),
-        line("tokens per CPU-second", "tokens_per_cpu_s", 1, "tokens_per_cpu_s_ratio"),
-        line("peak memory (MB)", "peak_memory_mb", 0, "peak_memory_ratio"),
-        line("  of which above setup (MB)", "peak_above_setup_mb", 0, "peak_above_setup_ratio"),
+        line(f"tokens/s ({HIGHER})", "tokens_per_s", 1, "tokens_per_s_ratio"),
+        line(f"step time, s ({LOWER})", "step_time_s", 3, "step_time_ratio"),
+        line(f"tokens per CPU-second ({HIGHER})", "tokens_per_cpu_s", 1, "tokens_per_cpu_s_ratio"),
+        line(f"peak memory, MB ({LOWER})", "peak_memory_mb", 0, "peak_memory_ratio"),
+        line(f"  of which above setup, MB ({LOWER})", "peak_above_setup_mb", 0, "peak_above_setup_ratio"),
         line("final loss", "final_loss", 4),
     ]
     diff = ["largest per-step loss diff vs reference (abs / rel)"]
@@ -240,23 +270,42 @@ def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
     reference_side, fasttrain_side = _SIDES[config.trainer_type]
     return [
         f"reference: {reference_side}; fasttrain: {fasttrain_side}",
-        f"model {config.model}, dataset {config.dataset}, device {config.device}, {dtype}, "
-        f"{config.steps} steps x batch {config.batch_size} x grad-accum {config.grad_accum}, "
+        f"model {model_note(config.model, reference.get('model_shape'))}, dataset {config.dataset}, "
+        f"device {config.device}, {dtype}, "
+        f"{plural(config.steps, 'step')} x batch {config.batch_size} x grad-accum {config.grad_accum}, "
         f"{_lengths_note(config)} (batched as each Trainer's collator does: padded per batch unless a "
         f"packing hot path is on; {'grouped by length' if config.group_by_length else 'not grouped by length'}), "
         f"seed {config.seed}" + (f", {config.threads} CPU threads" if config.device == "cpu" else ""),
-        f"{reference['repetitions']} repetition(s) per contender, alternating, each in its own process; "
-        "medians shown; tokens/s, step time and tokens per CPU-second count non-padding tokens and exclude "
-        f"the first {reference['warmup_steps_excluded']} (warm-up) steps",
+        f"{plural(reference['repetitions'], 'repetition')} per contender, alternating, each in its own process; "
+        "medians shown; tokens/s, step time and tokens per CPU-second count non-padding tokens; "
+        + warmup_note(reference["warmup_steps_excluded"]),
+        *([f"WARNING: {NO_WARMUP_NOTE}"] if reference["warmup_steps_excluded"] == 0 else []),
         f"memory: {reference['memory_kind']}; "
         "'above setup' subtracts the value right after the model and data were built",
-        "ratios in parentheses are against the reference; the loss and metric differences are the largest over "
-        "all steps, relative to the reference's value at that step (every numeric value the Trainer logs at "
-        "each step, timings left out)",
+        RATIO_LEGEND,
+        "the loss and metric differences are the largest over all steps, relative to the reference's value at "
+        "that step (every numeric value the Trainer logs at each step, timings left out)",
         *_share_note(data),
         *_load_note(data),
         *_progress_note(data),
     ]
+
+
+def warmup_note(excluded: int) -> str:
+    """'every step timed', 'the first step not timed (warm-up)', 'the first 2 steps not timed (warm-up)'."""
+    if excluded == 0:
+        return "every step timed"
+    return "the first " + ("step" if excluded == 1 else f"{excluded} steps") + " not timed (warm-up)"
+
+
+def model_note(model: str, shape: dict[str, Any] | None = None) -> str:
+    """'tiny (hidden 32, 1 layer, ...)': the shape the run recorded, else a built-in's own; a name alone when
+    neither is known (results written before shapes were recorded, a model that failed to load)."""
+    from .models import BUILTIN_SHAPES, builtin_summary, describe_summary
+
+    if shape is None and model in BUILTIN_SHAPES:
+        shape = builtin_summary(model)
+    return f"{model} ({describe_summary(shape)})" if shape else model
 
 
 def _lengths_note(config: BenchConfig) -> str:

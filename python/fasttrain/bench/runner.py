@@ -133,12 +133,15 @@ def run_all(
     order = schedule(contenders, repeats)
     results: Results = {c.name: [] for c in contenders}
     failures: dict[str, str] = {}
+    # The bar counts the steps of every run (runs x --steps); the description says which run and which of its
+    # own steps, so that `--steps 4` reads "step 4/4" and the total is labelled as the sum over runs.
     bar = tqdm(
         total=len(order) * config.steps,
-        unit="step",
         disable=not progress,
         file=sys.stderr,
         dynamic_ncols=True,
+        desc="starting",
+        bar_format="{desc}|{bar}| {n_fmt}/{total_fmt} steps of all runs [{elapsed}<{remaining}]",
     )
     try:
         with tempfile.TemporaryDirectory(prefix="fasttrain-bench-") as workdir:
@@ -146,11 +149,21 @@ def run_all(
                 if contender.name in failures:  # it crashed once: the next repetition would too
                     bar.update(config.steps)
                     continue
-                bar.set_description(f"{contender.name} {round_index + 1}/{repeats}")
+                run_label = (
+                    f"run {index + 1}/{len(order)} ({contender.name}, repetition {round_index + 1}/{repeats})"
+                )
+                bar.set_description(f"{run_label}, step 0/{config.steps}")
                 started = time.perf_counter()
                 done_before = bar.n
+
+                def on_step(count: int, run_label=run_label, done_before=done_before) -> None:
+                    done = bar.n + count - done_before
+                    warmup = " (warm-up)" if done <= config.warmup_steps else ""
+                    bar.set_description(f"{run_label}, step {done}/{config.steps}{warmup}", refresh=False)
+                    bar.update(count)
+
                 try:
-                    result = run_one(config, contender, workdir, f"{index:02d}-{contender.name}", bar.update)
+                    result = run_one(config, contender, workdir, f"{index:02d}-{contender.name}", on_step)
                 except RunFailed as exc:
                     failures[contender.name] = str(exc)
                     bar.update(max(0, config.steps - (bar.n - done_before)))

@@ -68,6 +68,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "final_loss": first["final_loss"],
         "hot_paths": first["hot_paths"],
         "warmup_steps_excluded": first["warmup_steps_excluded"],
+        "model_shape": first.get("model_shape"),  # absent from results written before it was recorded
         "tokens_per_step": first["tokens_per_step"],
         # Repetitions of one contender should give the same losses: their spread is the noise floor
         # against which the reference-vs-fasttrain difference is read.

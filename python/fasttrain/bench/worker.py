@@ -306,6 +306,7 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         "hot_paths_requested": dataclasses.asdict(requested) if dataclasses.is_dataclass(requested) else None,
         "setup_s": setup_s,
         "num_examples": len(examples),
+        "model_shape": models.model_summary(model),  # what the report says of the model's size
         "pid": os.getpid(),
         # the roofline of a training step (benchmarks/gpu/summarize.py): plain Trainer runs only, where every
         # counted token goes forward and backward once

@@ -1,0 +1,94 @@
+"""The scripts under benchmarks/: they stand on their own module (benchmarks/_common.py) and fasttrain's public
+or data-path modules, never on the internals of the ``fasttrain bench`` command or on the tests' helpers."""
+
+from __future__ import annotations
+
+import ast
+import gc
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = sorted(BENCHMARKS.glob("bench_*.py"))
+
+_spec = importlib.util.spec_from_file_location("_common", BENCHMARKS / "_common.py")
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules.add(node.module)
+            modules.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return modules
+
+
+@pytest.mark.parametrize(
+    "path", sorted(BENCHMARKS.rglob("*.py")), ids=lambda p: str(p.relative_to(BENCHMARKS))
+)
+def test_no_script_imports_the_bench_command_s_internals(path):
+    modules = _imported_modules(path)
+    assert not [m for m in modules if m == "fasttrain.bench" or m.startswith("fasttrain.bench.")], path
+    assert "_tiny" not in modules, f"{path} imports the tests' helpers"
+
+
+def test_the_scripts_are_there():
+    assert len(SCRIPTS) >= 8 and (BENCHMARKS / "_common.py").is_file()
+
+
+# Every script's --help in one interpreter (torch imported once, not once per script): it imports the script's
+# module-level dependencies, so a module that moved or went away fails here, with the script's name.
+_RUN_HELP = """
+import runpy, sys
+sys.path.insert(0, sys.argv[1])  # what `python benchmarks/x.py` puts first: `import _common` resolves
+for path in sys.argv[2:]:
+    sys.argv = [path, "--help"]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            raise SystemExit(f"{path} --help exited with {stop.code}")
+    print("HELP OK", path, flush=True)
+"""
+
+
+def test_each_script_starts():
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN_HELP, str(BENCHMARKS), *map(str, SCRIPTS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=BENCHMARKS.parent,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("HELP OK") == len(SCRIPTS)
+
+
+def test_provenance_helpers(monkeypatch):
+    assert common.cpu_model()
+    assert common.utc_now().endswith("+00:00")
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / "bench_adamw.py"), "--out", "/tmp/x y"])
+    assert common.command() == "python benchmarks/bench_adamw.py --out '/tmp/x y'"
+    versions = common.versions("pytest", "no-such-package-fasttrain")
+    assert versions["python"] and versions["pytest"] == pytest.__version__
+    assert versions["no-such-package-fasttrain"] is None
+
+
+def test_gc_paused_turns_the_collector_back_on():
+    with common.gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_word_level_tokenizer_pads_with_id_0():
+    tok = common.word_level_tokenizer(16)
+    assert tok.pad_token_id == 0 and len(tok) == 16
+    assert tok("t3 t5")["input_ids"] == [3, 5]
