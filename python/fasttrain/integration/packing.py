@@ -13,16 +13,26 @@ from collections.abc import Callable
 from typing import Any
 
 from .ledger import NOT_RUN, Seam, seam_of
-from .packing_policy import FLASH_ATTENTION, PackingCost, collator_problem, model_problem, problem
+from .packing_policy import (
+    FLASH_ATTENTION,
+    PackingCost,
+    collator_problem,
+    model_problem,
+    problem,
+    trainer_problem,
+)
 from .trainer_api import override
 
 
 def arm(trainer: Any, seam: Seam) -> None:
-    static = collator_problem(trainer.data_collator) or (
-        None if trainer.model_init is not None else model_problem(trainer.model)
+    # what is known now (a model_init's model is not built yet); each loader build asks again
+    now = (
+        collator_problem(trainer.data_collator)
+        or (None if trainer.model_init is not None else model_problem(trainer.model))
+        or trainer_problem(trainer)
     )
-    if static is not None:
-        seam.off("packing", static, fallback=False)
+    if now is not None:
+        seam.off("packing", now, fallback=False)
         return
     override(trainer, "get_train_dataloader", _train_dataloader)
     override(trainer, "training_step", _packing_evidence)
