@@ -335,7 +335,7 @@ def test_autocast_computes_in_the_autocast_dtype():
 @pytest.mark.parametrize(
     ("change", "exc", "match"),
     [
-        (lambda h, w, y: (h.double(), w, y, {}), TypeError, "weight dtype"),
+        (lambda h, w, y: (h, w.to(torch.int32), y, {}), TypeError, "weight dtype"),
         (lambda h, w, y: (h[:, :3], w, y, {}), ValueError, "weight must be"),
         (lambda h, w, y: (h, w, y.float(), {}), TypeError, "integer"),
         (lambda h, w, y: (h, w, y[:2], {}), ValueError, "one per token"),

@@ -273,13 +273,34 @@ def check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
         torch._assert_async(~bad.any(), f"a label is outside [0, {vocab}) and is not ignore_index")
 
 
-def check_operands(hidden: torch.Tensor, weight: torch.Tensor, bias: Any, labels: Any) -> None:
-    """Checks shared by both heads (the shapes of hidden and weight are checked by each entry)."""
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
-    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != hidden.dtype):
+_AUTOCAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what autocast casts to its dtype
+
+
+def check_operands(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Any, labels: Any, *, cast_head: bool = False
+) -> None:
+    """Checks shared by both heads (the shapes of hidden and weight are checked by each entry).
+
+    The operands' dtypes follow the op each head replaces. Under autocast, hidden, weight and bias may be any of
+    fp32, bf16 and fp16, mixed (fp16 weights under bf16 autocast, fp32 master weights, a frozen head in another
+    dtype): autocast ``nn.Linear`` casts them all to its dtype, and ``run_head`` does the same. Without autocast
+    they must agree, as ``F.linear`` requires, unless ``cast_head``: TRL's fused head casts the head to the
+    hidden states' dtype (``cast_lm_head_to_fp32`` runs it in fp32 outside autocast), and so does ``run_head``."""
+    floating = weight.is_floating_point() and (bias is None or bias.is_floating_point())
+    autocast = torch.is_autocast_enabled(hidden.device.type) and all(
+        t.dtype in _AUTOCAST_DTYPES for t in (hidden, weight, *(() if bias is None else (bias,)))
+    )
+    mixed_ok = floating and (autocast or cast_head)
+    if weight.dtype != hidden.dtype and not mixed_ok:
+        raise TypeError(
+            f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype} (outside autocast they must "
+            "agree, as for F.linear; under autocast fp32, bf16 and fp16 may be mixed)"
+        )
+    if bias is not None and (
+        bias.shape != (weight.shape[0],) or (bias.dtype != weight.dtype and not mixed_ok)
+    ):
         raise ValueError(
-            f"bias must have shape ({weight.shape[0]},) and dtype {hidden.dtype}, "
+            f"bias must have shape ({weight.shape[0]},) and dtype {weight.dtype}, "
             f"got {tuple(bias.shape)} {bias.dtype}"
         )
     if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype == torch.bool:

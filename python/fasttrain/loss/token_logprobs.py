@@ -103,7 +103,9 @@ def _validate(hidden, weight, bias, labels, temperature, softcap, outputs, backe
             f"weight must be [vocab, {hidden.shape[1]}] (hidden's last dimension), "
             f"got {tuple(getattr(weight, 'shape', ()))}"
         )
-    check_operands(hidden, weight, bias, labels)
+    check_operands(
+        hidden, weight, bias, labels, cast_head=True
+    )  # TRL's head casts the head to the compute dtype
     if labels.shape != (hidden.shape[0],):
         raise ValueError(
             f"labels must have shape ({hidden.shape[0]},) (one per token), got {tuple(labels.shape)}"
