@@ -12,11 +12,14 @@ Arrow buffers) and "torch" (int64 CPU tensors).
 TRL's collators (when trl is installed): SFTTrainer's ``DataCollatorForLanguageModeling`` padded, padding-free,
 and padding-free on packed examples (``seq_lengths``, documents of 16-2048 tokens packed into rows of up to
 8192), and DPOTrainer's ``DataCollatorForPreference`` (prompts of 16-512 tokens, answers of 16-1024,
-``max_length=1024``), all on Python lists as SFTTrainer and DPOTrainer hand them over.
+``max_length=1024``), and KTOTrainer's ``DataCollatorForUnpairedPreference`` (prompts of 16-512 tokens,
+completions of 16-1024 and KL completions rotated by one within the batch as KTOTrainer builds them,
+``max_length=1024``), all on Python lists as SFTTrainer, DPOTrainer and KTOTrainer hand them over.
 
 Usage:
     python benchmarks/bench_collators.py            # writes benchmarks/results/collators.{json,md}
     python benchmarks/bench_collators.py --smoke     # tiny run, checks that the script works
+    python benchmarks/bench_collators.py --only "TRL KTO" --out /tmp/bench   # one collator, results elsewhere
 
 Figures are written by this script only; never type them by hand.
 """
@@ -47,7 +50,8 @@ VOCAB = 32_000
 def make_rows(batch: int, min_len: int, max_len: int, rng: np.random.Generator, data: str) -> list[dict]:
     """One batch of numpy rows: "plain" (input_ids, attention_mask), "labels" (+ labels of another length),
     "sft" (input_ids, labels with the prompt masked), "packed" (documents packed into rows, seq_lengths),
-    "preference" (prompt_ids, chosen_ids, rejected_ids)."""
+    "preference" (prompt_ids, chosen_ids, rejected_ids), "unpaired" (KTO's prompt_ids, completion_ids,
+    KL_completion_ids: the completions rotated by one, label)."""
     rows = []
     for n in rng.integers(min_len, max_len + 1, batch):
         ids = rng.integers(1, VOCAB, n)
@@ -69,11 +73,22 @@ def make_rows(batch: int, min_len: int, max_len: int, rng: np.random.Generator, 
                     "rejected_ids": rng.integers(1, VOCAB, int(rng.integers(min_len, max_len // 2 + 1))),
                 }
             )
+        elif data == "unpaired":
+            rows.append(
+                {
+                    "prompt_ids": rng.integers(1, VOCAB, int(rng.integers(min_len, max_len // 4 + 1))),
+                    "completion_ids": rng.integers(1, VOCAB, int(rng.integers(min_len, max_len // 2 + 1))),
+                    "label": np.bool_(rng.integers(0, 2)),
+                }
+            )
         else:
             row = {"input_ids": ids, "attention_mask": np.ones(n, dtype=np.int64)}
             if data == "labels":
                 row["labels"] = rng.integers(1, VOCAB, int(rng.integers(min_len, max_len + 1)))
             rows.append(row)
+    if data == "unpaired":  # KTOTrainer's KL completions: (x_1, y_n), (x_2, y_1), ...
+        for row, previous in zip(rows, rows[-1:] + rows[:-1], strict=True):
+            row["KL_completion_ids"] = previous["completion_ids"]
     return rows
 
 
@@ -173,7 +188,7 @@ def cases(tok, max_len: int) -> list[tuple[str, str, object, object, str]]:
 
 def trl_cases(max_len: int) -> list[tuple[str, str, object, object, str]]:
     try:
-        from trl.trainer import dpo_trainer, sft_trainer
+        from trl.trainer import dpo_trainer, kto_trainer, sft_trainer
     except ImportError:
         print("trl is not installed: TRL's collators are not measured", flush=True)
         return []
@@ -212,6 +227,15 @@ def trl_cases(max_len: int) -> list[tuple[str, str, object, object, str]]:
             "preference",
         )
     )
+    out.append(
+        (
+            f"TRL KTO DataCollatorForUnpairedPreference(max_length={max_len // 2})",
+            "list",
+            kto_trainer.DataCollatorForUnpairedPreference(**kw),
+            trl_collators.DataCollatorForUnpairedPreference(**kw),
+            "unpaired",
+        )
+    )
     return out
 
 
@@ -225,6 +249,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--smoke", action="store_true", help="tiny sizes; results are not written")
+    p.add_argument("--only", help="measure only the collators whose name contains this text (e.g. 'TRL KTO')")
     args = p.parse_args()
     if args.smoke:
         args.batch, args.max_len, args.calls, args.batches = 8, 64, 3, 2
@@ -233,10 +258,12 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     raw = {
         data: [make_rows(args.batch, args.min_len, args.max_len, rng, data) for _ in range(args.batches)]
-        for data in ("plain", "labels", "sft", "packed", "preference")
+        for data in ("plain", "labels", "sft", "packed", "preference", "unpaired")
     }
     results = []
     for name, kind, ref, ours, data in cases(tok, args.max_len):
+        if args.only is not None and args.only not in name:
+            continue
         batches = [convert(rows, kind) for rows in raw[data]]
         if not same(ours(batches[0]), ref(batches[0])):
             raise SystemExit(f"{name} on {kind} input: outputs differ from the reference")

@@ -8,8 +8,10 @@
 - ``DataCollatorForPreference`` subclasses ``trl.trainer.dpo_trainer.DataCollatorForPreference``
   (DPOTrainer's): prompt + chosen and prompt + rejected rows, truncated to ``max_length`` (``keep_start`` /
   ``keep_end``), with attention and completion masks and the optional reference log-probs.
+- ``DataCollatorForUnpairedPreference`` (KTOTrainer's, in ``trl_kto_collator``): prompt + completion rows (and
+  prompt + KL completion), cut at ``max_length``, with attention and completion masks, labels, reference log-probs.
 
-Both return the same keys in the same order, dtypes and values as TRL's classes, with TRL's arithmetic for the
+All return the same keys in the same order, dtypes and values as TRL's classes, with TRL's arithmetic for the
 settings (Python slices for the truncation, TRL's ``pad`` rounding). This module imports TRL, so it is only
 imported once a TRL collator exists (``native_equivalent`` does that) or by a user who names it: TRL is never a
 dependency of ``import fasttrain``. Written against TRL 1.16: ``native_equivalent`` first checks once per process
@@ -34,6 +36,7 @@ import numpy as np
 import torch
 import trl
 from trl.trainer import dpo_trainer as trl_dpo
+from trl.trainer import kto_trainer as trl_kto
 from trl.trainer import sft_trainer as trl_sft
 
 from .._logging import log_once
@@ -41,8 +44,16 @@ from ..labels import IGNORE_INDEX, ignore_example_starts
 from . import _rows
 from ._rows import HandOver, Rows, column, native_or_reference, read, round_up
 from .collator_probe import batch_difference
+from .trl_kto_collator import PROBES as KTO_PROBES
+from .trl_kto_collator import DataCollatorForUnpairedPreference
 
-__all__ = ["EQUIVALENTS", "DataCollatorForLanguageModeling", "DataCollatorForPreference", "agrees_with_trl"]
+__all__ = [
+    "EQUIVALENTS",
+    "DataCollatorForLanguageModeling",
+    "DataCollatorForPreference",
+    "DataCollatorForUnpairedPreference",
+    "agrees_with_trl",
+]
 
 
 def _int64_row(value: Any) -> bool:
@@ -250,6 +261,7 @@ class DataCollatorForPreference(trl_dpo.DataCollatorForPreference):
 EQUIVALENTS: dict[type, type] = {
     trl_sft.DataCollatorForLanguageModeling: DataCollatorForLanguageModeling,
     trl_dpo.DataCollatorForPreference: DataCollatorForPreference,
+    trl_kto.DataCollatorForUnpairedPreference: DataCollatorForUnpairedPreference,
 }
 
 # A few batches that exercise every setting, to check at first use that this TRL's collators still make what
@@ -283,6 +295,7 @@ _PROBES = [
     )
     for max_length, mode in ((None, "keep_start"), (3, "keep_start"), (3, "keep_end"))
 ]
+_PROBES += KTO_PROBES
 
 
 @functools.cache
