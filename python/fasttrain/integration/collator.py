@@ -21,6 +21,17 @@ def arm(trainer: Any, seam: Seam) -> None:
     current = trainer.data_collator
     if _ours(current):
         return  # already ours ("on" once the Trainer's loaders run it)
+    if (
+        getattr(current, "__module__", "") == "trl.trainer.utils"
+        and getattr(current, "__name__", "") == "identity"
+    ):
+        # GRPO and RLOO collate nothing: they build their batches themselves (generation, then padding)
+        seam.off(
+            "collator",
+            f"{type(trainer).__name__} builds its batches itself (TRL's identity collator)",
+            fallback=False,
+        )
+        return
     native = native_equivalent(current)
     if native is None:
         # a masked-LM collator, or one the probe refused (this transformers makes other batches, or has a field

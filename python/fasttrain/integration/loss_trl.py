@@ -1,8 +1,11 @@
 """The loss path for TRL's trainers: their fused LM head served by fasttrain's kernel.
 
-TRL (1.16) computes SFT's and DPO's losses and metrics through ``model(..., fused_lm_head=True)``, a head it installs
-on the policy (and on DPO's reference model) after ``Trainer.__init__`` returns. So the head is looked for at the
-first ``compute_loss``, and served from then on (``loss.trl_support``). Each ``compute_loss`` hands SFT's nll
+TRL (1.16) computes the losses and metrics of SFT, DPO, GRPO, RLOO and KTO through ``model(...,
+fused_lm_head=True)``, a head it installs on the policy (and on the reference model) after ``Trainer.__init__``
+returns. So the heads are looked for at the first ``training_step`` or ``compute_loss``, whichever comes first
+(GRPO and RLOO score the old policy and the reference model inside ``training_step``, before their loss), and
+served from then on (``loss.trl_support``). Reference log-probs that TRL precomputes in its constructor
+(``precompute_ref_log_probs``) come before any of this and keep TRL's head. Each ``compute_loss`` hands SFT's nll
 denominator (``num_items_in_batch``) to the heads, so that their forward can compute the gradients itself.
 """
 
@@ -14,13 +17,30 @@ from typing import Any
 from ..loss import trl_support
 from ..loss.model_patch import find_causal_lm
 from .ledger import Seam, find_seam
-from .trainer_api import override
+from .trainer_api import is_trl_trainer, override
 
 _MARK = "_fasttrain_trl_compute_loss"
 
 
 def arm(trainer: Any, seam: Seam) -> None:
+    # TRL installs its heads after Trainer.__init__ returns; GRPO and RLOO score completions (old policy, reference
+    # model) in training_step before any compute_loss: the heads are looked for at whichever comes first
+    override(trainer, "training_step", _decide_first)
     _hook_compute_loss(trainer)
+
+
+def _decide(trainer: Any) -> None:
+    seam = find_seam(trainer)
+    if seam is not None and not seam.trl_decided:
+        seam.trl_decided = True
+        reason = enable(trainer)
+        if reason is not None:
+            seam.off("loss", reason)
+
+
+def _decide_first(trainer: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    _decide(trainer)
+    return original(*args, **kwargs)
 
 
 def _hook_compute_loss(trainer: Any) -> None:
@@ -30,26 +50,28 @@ def _hook_compute_loss(trainer: Any) -> None:
 
 
 def _compute_loss(trainer: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    seam = find_seam(trainer)
-    if seam is not None and not seam.trl_decided:
-        seam.trl_decided = True
-        reason = enable(trainer)
-        if reason is not None:
-            seam.off("loss", reason)
+    _decide(trainer)
     # compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None)
     num_items = kwargs.get("num_items_in_batch", args[3] if len(args) > 3 else None)
     with trl_support.upstream_count(_models(trainer), num_items):
         return original(*args, **kwargs)
 
 
-def trainer_kind(trainer: Any) -> str | None:
-    """The kind of TRL trainer whose head fasttrain serves: "sft", "dpo", or None."""
-    from trl import DPOTrainer, SFTTrainer
+# TRL trainers whose use of the fused head fasttrain was tested against plain TRL (tests/test_trl_patch.py,
+# tests/test_trl_rl.py), subclasses included; and which of them trains on -sum(log_probs) / n (SFT's nll), the
+# upstream the forward can compute the gradients for (the others' per-token upstreams differ: the backward
+# recomputes)
+TESTED = ("SFTTrainer", "DPOTrainer", "GRPOTrainer", "RLOOTrainer", "KTOTrainer")
 
-    if isinstance(trainer, SFTTrainer):
-        return "sft"
-    if isinstance(trainer, DPOTrainer):
-        return "dpo"
+
+def trainer_kind(trainer: Any) -> str | None:
+    """Which tested TRL trainer ``trainer`` is (or subclasses), as "sft", "dpo", "grpo", "rloo", "kto"; else None."""
+    import trl
+
+    for name in TESTED:
+        cls = getattr(trl, name, None)
+        if cls is not None and isinstance(trainer, cls):
+            return name[: -len("Trainer")].lower()
     return None
 
 
@@ -69,8 +91,13 @@ def enable(trainer: Any) -> str | None:
     if problem is not None:
         return problem
     kind = trainer_kind(trainer)
+    if kind is None and not is_trl_trainer(trainer):
+        return f"{type(trainer).__name__} is not a TRL trainer"
     if kind is None:
-        return f"{type(trainer).__name__} is not a TRL SFTTrainer or DPOTrainer"
+        return (
+            f"{type(trainer).__name__} is a TRL trainer fasttrain has not been tested with (tested: "
+            f"{', '.join(TESTED)}): its loss keeps TRL's own path"
+        )
     accelerator = trainer.accelerator
 
     def mixed_precision() -> Any:

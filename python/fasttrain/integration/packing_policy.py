@@ -30,7 +30,10 @@ _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 def collator_problem(collator: object) -> str | None:
     """Why the Trainer's collator cannot be the start of a packed batch (None: it can)."""
     kind = collator_kind(collator)
-    name = f"{type(collator).__module__}.{type(collator).__qualname__}"
+    named = (
+        collator if callable(collator) and hasattr(collator, "__qualname__") else type(collator)
+    )  # a function
+    name = f"{named.__module__}.{named.__qualname__}"
     if isinstance(collator, hf.DataCollatorWithFlattening):
         return f"{name} already makes padding-free batches"
     if kind is None:

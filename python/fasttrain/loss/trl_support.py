@@ -62,10 +62,9 @@ TESTED_TRL = ("1.16", "2.0")
 # CUDA: not measured yet; fasttrain's until benchmarks/gpu/bench_loss_gpu.py --trl says otherwise (SFT saves a
 # matmul with fasttrain's speculation; DPO runs the same four matmuls as TRL, so the per-row kernels decide).
 KERNEL_CHOICE = {
-    ("cpu", "sft"): "fasttrain",
-    ("cpu", "dpo"): "fasttrain",
-    ("cuda", "sft"): "fasttrain",
-    ("cuda", "dpo"): "fasttrain",
+    (device, kind): "fasttrain"
+    for device in ("cpu", "cuda")
+    for kind in ("sft", "dpo", "grpo", "rloo", "kto")
 }
 
 _STATE_ATTR = "_fasttrain_trl_head"
@@ -162,8 +161,6 @@ def _read_trl_head(model: nn.Module) -> tuple[Any, bool, dict[str, Any]] | str:
     if missing:
         return f"TRL's fused LM head has a layout fasttrain does not know (no {', '.join(missing)})"
     settings = {name: cells[name].cell_contents for name in _CLOSURE_NAMES}
-    if settings["cast_lm_head_to_fp32"]:
-        return "TRL's fused LM head casts the head to fp32 (cast_lm_head_to_fp32): kept TRL's"
     head = model.get_output_embeddings()
     if not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.dim() != 2:
         return f"{type(model).__name__}'s output layer has no 2-D weight"
@@ -321,23 +318,22 @@ def _fused_head(model, state, args, kwargs, labels, shift_labels, num_items_in_b
         weight = weight.full_tensor()
         bias = None if bias is None else bias.full_tensor()
     mask = labels != IGNORE_INDEX
+    autocast = contextlib.nullcontext()
+    if settings[
+        "cast_lm_head_to_fp32"
+    ]:  # as TRL: the projection in fp32 outside autocast, the head cast to it
+        hidden = hidden.float()
+        autocast = torch.autocast(hidden.device.type, enabled=False)
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     # the upstream of each scored log-prob under SFT's nll: TRL divides by the compute_loss's num_items_in_batch
     expected = state.num_items if state.num_items is not None else count
     expected = -1.0 / torch.as_tensor(expected, dtype=torch.float32, device=hidden.device).clamp(min=1)
     state.fused_calls += 1
     # only the scored positions go through the head (a host sync on a GPU, as in TRL's compact path)
-    stats = fused_token_log_probs(
-        hidden[mask],
-        weight,
-        labels[mask],
-        bias,
-        temperature=settings["temperature"],
-        logit_scale=settings["logit_scale"],
-        softcap=settings["final_logit_softcapping"],
-        outputs=tuple(settings["outputs"]),
-        uniform_grad=expected if state.uniform_grad else False,
-    )
+    with autocast:
+        stats = _token_stats(
+            hidden[mask], weight, labels[mask], bias, settings, expected if state.uniform_grad else False
+        )
     # masked_scatter keeps an all-masked batch connected to the graph (a differentiable zero), as TRL does
     log_probs, entropy, log_sum_sq, mean_logits, is_top1 = (
         None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in stats
@@ -351,4 +347,19 @@ def _fused_head(model, state, args, kwargs, labels, shift_labels, num_items_in_b
         is_top1=is_top1,
         label_mask=mask,
         aux_loss=None,
+    )
+
+
+def _token_stats(hidden, weight, labels, bias, settings, uniform_grad):
+    """The head's statistics with the settings read from TRL's head."""
+    return fused_token_log_probs(
+        hidden,
+        weight,
+        labels,
+        bias,
+        temperature=settings["temperature"],
+        logit_scale=settings["logit_scale"],
+        softcap=settings["final_logit_softcapping"],
+        outputs=tuple(settings["outputs"]),
+        uniform_grad=uniform_grad,
     )
