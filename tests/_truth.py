@@ -249,3 +249,41 @@ class Float64TrlHead:
         """Per call, how many top-1 hits lie within ``ulps * eps`` of their logits' scale (a run in that dtype may
         take them either way)."""
         return [int((margin.abs() <= ulps * eps * scale).sum()) for margin, scale in self.calls]
+
+
+def difference_floors(truth) -> dict[str, float]:
+    """Absolute floors for what TRL's preference trainers (DPO, KTO) log as small differences of larger terms.
+
+    - ``rewards/*`` and ``kl``: ``beta`` times a difference of two sums of log-probs (policy and reference, about -100
+      each in the tests): their rounding scales with those sums, not with the difference, so one float32 unit of
+      ``beta * |sum of log-probs|`` is what no order of summation avoids (the reference may land closer by luck:
+      seen on DPO's rewards/rejected, 2.6e-8 from float64 against ours 7.4e-8, with the sums at ~100).
+    - ``logits/*``: a mean over the vocabulary and the tokens of logits of both signs (near 0 here): each token's mean
+      is an fp32 sum of logits, rounded to a unit of the largest logit, ``|h| |w_v|`` at most (the final norm's
+      output, of norm ``sqrt(H) max|g|``, times the largest output row; seen on KTO's logits/rejected, 3.8e-10 from
+      float64 for the reference against ours 1.7e-9, the bound at ~6e-1).
+    """
+    logs = step_logs(truth)
+    floors = {}
+    sums = [
+        abs(v) for step in logs for k, v in step.items() if k.startswith("logps/") and isinstance(v, float)
+    ]
+    if sums:
+        floor = EPS32 * truth.args.beta * max(sums)
+        floors.update({k: floor for k in logs[0] if k.startswith("rewards/") or k == "kl"})
+    bound = _largest_logit_bound(truth.model)
+    if bound is not None:
+        floors.update({k: EPS32 * bound for k in logs[0] if k.startswith("logits/")})
+    return floors
+
+
+def _largest_logit_bound(model) -> float | None:
+    """``|h| max_v |w_v|``: h the final norm's output (RMS-normalised, so ``|h| <= sqrt(H) max|g|``)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    norm = getattr(getattr(base, base.base_model_prefix, None), "norm", None)
+    head = base.get_output_embeddings()
+    if norm is None or getattr(norm, "weight", None) is None or head is None:
+        return None
+    weight = head.weight.detach().double()
+    hidden = weight.shape[1] ** 0.5 * float(norm.weight.detach().double().abs().max())
+    return hidden * float(weight.norm(dim=1).max())

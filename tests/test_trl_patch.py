@@ -94,7 +94,9 @@ def _train(make, patched, truth=False):
 def _assert_metrics_near_truth(ref, ours, truth, must_have, bf16):
     assert len(tiny.step_logs(ref)) >= 2 and must_have <= tiny.step_logs(ref)[0].keys()
     bound = BOUNDS[bf16]
-    _truth.assert_logs_near_truth(ours, ref, truth, bound, skip=THRESHOLDED)
+    _truth.assert_logs_near_truth(
+        ours, ref, truth, bound, skip=THRESHOLDED, abs_floor=_truth.difference_floors(truth)
+    )
     steps = len(tiny.step_logs(truth))
     logs = [tiny.step_logs(run) for run in (ours, ref, truth)]
     # rewards/accuracies: each example's margin near the truth's; the accuracy equal where every sign is decided

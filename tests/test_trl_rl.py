@@ -148,23 +148,9 @@ def _compare(make, bf16, min_keys):
     for key in generated:  # GRPO's and RLOO's completions, and the reward functions' scores of them: the same
         assert [s.get(key) for s in tiny.step_logs(ours)] == [s.get(key) for s in logs], key
     _truth.assert_logs_near_truth(
-        ours, ref, truth, BOUNDS[bf16], skip=SKIP, abs_floor=_difference_floors(truth)
+        ours, ref, truth, BOUNDS[bf16], skip=SKIP, abs_floor=_truth.difference_floors(truth)
     )
     return ours
-
-
-def _difference_floors(truth) -> dict[str, float]:
-    """KTO's rewards and KL are ``beta`` times a difference of two sums of log-probs (policy and reference, about
-    -100 each here): their rounding scales with those sums, not with the small difference, so one float32 unit of
-    ``beta * |sum of log-probs|`` is what no order of summation avoids (the reference may land closer by luck)."""
-    logs = tiny.step_logs(truth)
-    sums = [
-        abs(v) for step in logs for k, v in step.items() if k.startswith("logps/") and isinstance(v, float)
-    ]
-    if not sums:
-        return {}
-    floor = _truth.EPS32 * truth.args.beta * max(sums)
-    return {k: floor for k in logs[0] if k.startswith("rewards/") or k == "kl"}
 
 
 GRPO_KEYS = {"loss", "grad_norm", "entropy", "reward", "completions/mean_length"}
