@@ -12,12 +12,18 @@ at least once: compile errors come from one feature or from two interacting (a v
 branches), and that subset (118 variants) compiles in about 2 minutes on two cores. ``covering(spec, 1)``, every
 value once (about 40 variants), is the quicker check that ``benchmarks/gpu/run.sh --smoke`` runs with the GPU
 machine's Triton version.
+
+``defaults(key)``: the default variants, those the launchers start for the package's usual settings (``USUAL_*``
+below), read from kernels/'s launchers themselves (``launched_variants`` runs them with recorders in place of the
+kernels: that one imports torch and the kernel modules); tests/test_kernels_compile.py fails when one spills.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
+import importlib
 import itertools
 from collections.abc import Callable
 from pathlib import Path
@@ -122,6 +128,8 @@ KERNELS = [
     ),
 ]  # fmt: skip
 
+KERNELS_BY_KEY = {s.key: s for s in KERNELS}
+
 # Argument types that follow a variant parameter: the parameter's value, mapped here when it is not a type.
 _TYPE_OF = {
     "top1": lambda v: "*i8" if v["HAS_TOP1"] else "*fp32",
@@ -175,6 +183,143 @@ def covering(spec: KernelSpec, strength: int = 2) -> list[dict[str, Any]]:
 
 def pairwise(spec: KernelSpec) -> list[dict[str, Any]]:
     return covering(spec, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# default variants: what the launchers start for the package's usual settings
+# ------------------------------------------------------------------------------------------------
+
+# The usual settings, each one a choice the package or a Trainer with default arguments makes; everything else
+# (constexprs, num_warps, BLOCK_V, alignment, which kernels a call starts) is read from the launchers themselves:
+# ``launched_variants`` runs kernels/'s plain launchers on CPU tensors with every kernel replaced by a recorder.
+#
+# - parameters in fp32 (a Trainer's master weights under bf16 autocast) or bf16 (a model loaded in bf16);
+#   gradients in the parameters' dtype; FusedAdamW's defaults: moments in the parameters' dtype (state_dtype
+#   None), no amsgrad, maximize or stochastic rounding, lr a float; with and without the deferred clip (a
+#   Trainer's max_grad_norm=1.0 arms it); no GradScaler (fp16 AMP is not the usual path). The 8-bit kernel with
+#   the same settings: the variants ``state_dtype="8bit"`` launches (opt-in, but then these are the usual ones).
+# - the global 2-norm of gradients in those dtypes (clip_grad_norm_'s default norm_type).
+# - LM-head logits in bf16 (autocast) or fp32, the vocabularies of the families fasttrain serves, the head
+#   transform's defaults (scale and temperature 1, no softcap but Gemma-2's): the cross-entropy loss (row_stats
+#   with no optional statistic: label_smoothing 0; then row_grad) and TRL's token log-probs with the entropy
+#   (GRPO asks for it).
+USUAL_PARAM_DTYPES = ("float32", "bfloat16")
+USUAL_LOGIT_DTYPES = ("bfloat16", "float32")
+# families.py's families: Llama-2/Mistral, Phi-3, OLMo-2, Llama-3, Qwen2/3, Gemma/Gemma-2, Gemma-3
+USUAL_VOCABS = (32000, 32064, 100352, 128256, 151936, 256000, 262144)
+SOFTCAP_VOCABS = (256000,)  # Gemma-2 soft-caps its logits (final_logit_softcapping=30)
+_TENSOR_SIZES = (4096, 100_003)  # a norm weight and a matrix with a tail chunk: the group has many tensors
+
+
+class _Recorder:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self, name: str, calls: list) -> None:
+        self.name, self.calls = name, calls
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.calls.append((self.name, args, kwargs))
+
+
+def _adamw_launches(m: Any, torch: Any) -> None:
+    cpu = torch.device("cpu")
+    betas = torch.tensor([0.9, 0.999, 0.1, 0.001], dtype=torch.float64)
+    steps = [torch.ones((), dtype=torch.float32) for _ in _TENSOR_SIZES]
+    for name in USUAL_PARAM_DTYPES:
+        dtype = getattr(torch, name)
+        tensors = [[torch.zeros(n, dtype=dtype) for n in _TENSOR_SIZES] for _ in range(4)]
+        for clip in (None, torch.ones((), dtype=torch.float32)):
+            args = m.StepArgs(lr=1e-3, betas=betas, eps=1e-8, weight_decay=0.0, clip_coef=clip)
+            table = m.TensorTable([*tensors, [None] * len(steps), steps], cpu)
+            m.adamw_step(table, dtype, dtype, dtype, args)  # moments in the parameters' dtype
+        m.per_tensor_norms(m.TensorTable([tensors[1]], cpu), dtype, 2.0)
+
+
+def _adamw8bit_launches(m: Any, torch: Any) -> None:
+    cpu = torch.device("cpu")
+    betas = torch.tensor([0.9, 0.999, 0.1, 0.001], dtype=torch.float64)
+    steps = [torch.ones((), dtype=torch.float32) for _ in _TENSOR_SIZES]
+    none = [None] * len(_TENSOR_SIZES)
+    codes = [[torch.zeros(n, dtype=torch.uint8) for n in _TENSOR_SIZES] for _ in range(2)]
+    absmax = [[torch.zeros(-(-n // m.QBLOCK), dtype=torch.float32) for n in _TENSOR_SIZES] for _ in range(2)]
+    for name in USUAL_PARAM_DTYPES:
+        dtype = getattr(torch, name)
+        p_g = [[torch.zeros(n, dtype=dtype) for n in _TENSOR_SIZES] for _ in range(2)]
+        for clip in (None, torch.ones((), dtype=torch.float32)):
+            args = m.base.StepArgs(lr=1e-3, betas=betas, eps=1e-8, weight_decay=0.0, clip_coef=clip)
+            table = m.base.TensorTable([*p_g, *codes, none, *absmax, none, steps], cpu)
+            m.adamw8bit_step(table, dtype, dtype, torch.zeros(4, 256), args)
+
+
+def _lm_head_launches(m: Any, torch: Any) -> None:
+    from fasttrain.loss.lm_head_torch import HeadTransform
+
+    head, softcapped = HeadTransform(), HeadTransform(softcap=30.0)
+    meta = {"device": "meta"}
+    for vocab in USUAL_VOCABS:
+        for name in USUAL_LOGIT_DTYPES:
+            logits = torch.empty((2, vocab), dtype=getattr(torch, name), **meta)
+            labels = torch.zeros(2, dtype=torch.int64, **meta)
+            m.row_stats(logits, labels, head)  # the cross-entropy loss
+            m.row_stats(logits, labels, head, entropy=True)  # TRL's token log-probs with the entropy
+            log_z = torch.empty(2, dtype=torch.float32, **meta)
+            m.row_grad(logits, labels, head, log_z, log_z, log_z)
+            if vocab in SOFTCAP_VOCABS:  # Gemma-2's loss: its config's final_logit_softcapping
+                m.row_stats(logits, labels, softcapped)
+                m.row_grad(logits, labels, softcapped, log_z, log_z, log_z)
+
+
+_LAUNCHES = {"adamw": _adamw_launches, "adamw8bit": _adamw8bit_launches, "lm_head": _lm_head_launches}
+
+
+def launched_variants(spec: KernelSpec) -> list[dict[str, Any]]:
+    """The variants of ``spec`` that its module's launchers start for the usual settings (``USUAL_*``), each
+    with the launch's ``num_warps`` under the key ``"num_warps"``; imports torch and the kernel module."""
+    import torch
+
+    module = importlib.import_module(f"fasttrain.kernels.{spec.module}")
+    calls: list = []
+    kernels = [n for n in vars(module) if n in {s.name for s in KERNELS if s.module == spec.module}]
+    saved = {n: getattr(module, n) for n in kernels}
+    try:
+        for n in kernels:
+            setattr(module, n, _Recorder(n, calls))
+        _LAUNCHES[spec.module](module, torch)
+    finally:
+        for n, kernel in saved.items():
+            setattr(module, n, kernel)
+    out: list[dict[str, Any]] = []
+    for name, args, kwargs in calls:
+        if name == spec.name:
+            variant = _variant_of(spec, args, kwargs, torch)
+            if variant not in out:
+                out.append(variant)
+    return out
+
+
+def _variant_of(spec: KernelSpec, args: tuple, kwargs: dict[str, Any], torch: Any) -> dict[str, Any]:
+    bound = dict(zip(spec.signature, args, strict=False)) | kwargs
+    pointer = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+    variant: dict[str, Any] = {}
+    for name in spec.space:
+        if name.isupper():
+            variant[name] = bound[name]
+            continue
+        value = bound[next(a for a, kind in spec.signature.items() if kind == name)]
+        if isinstance(value, torch.Tensor):
+            variant[name] = pointer[value.dtype]
+        else:  # an int argument: Triton folds it when it equals 1
+            variant[name] = 1 if value == 1 else "i32"
+    if variant not in all_variants(spec):
+        raise ValueError(f"{spec.key}: the launcher started {variant}, outside the listed variant space")
+    return {**variant, "num_warps": bound["num_warps"]}
+
+
+@functools.cache
+def defaults(spec_key: str) -> tuple[dict[str, Any], ...]:
+    """``launched_variants`` without ``num_warps`` (a variant as ``all_variants`` lists it), cached."""
+    launched = launched_variants(KERNELS_BY_KEY[spec_key])
+    return tuple({k: v for k, v in d.items() if k != "num_warps"} for d in launched)
 
 
 # ------------------------------------------------------------------------------------------------
