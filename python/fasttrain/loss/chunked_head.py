@@ -111,10 +111,13 @@ class _Grads:
     """
 
     def __init__(self, hidden: torch.Tensor, w: torch.Tensor, needs: tuple[bool, bool, bool]) -> None:
+        # Not zero-filled: every hidden row is written by its chunk, and the first chunk writes the weight and bias
+        # accumulators (a zero fill of a [V, H] fp32 accumulator is a pass as long as the chunk's GEMM on CPU)
         f32 = {"dtype": torch.float32, "device": w.device}
-        self.hidden = torch.zeros(hidden.shape, **f32) if needs[0] else None
-        self.weight = torch.zeros(w.shape, **f32) if needs[1] else None
-        self.bias = torch.zeros(w.shape[0], **f32) if needs[2] else None
+        self.hidden = torch.empty(hidden.shape, **f32) if needs[0] else None
+        self.weight = torch.empty(w.shape, **f32) if needs[1] else None
+        self.bias = torch.empty(w.shape[0], **f32) if needs[2] else None
+        self._started = False  # the weight and bias accumulators hold a first chunk's products
         self._product = self._product32 = None  # CPU half-precision weight products (fold)
 
     def fold(self, grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, lo: int, hi: int) -> None:
@@ -127,23 +130,40 @@ class _Grads:
                 torch.mm(grad, w, out_dtype=torch.float32, out=self.hidden[lo:hi])
             else:
                 self.hidden[lo:hi] = torch.mm(grad, w)
+        first, self._started = not self._started, True
         if self.weight is not None:
             if grad.dtype == torch.float32:
-                self.weight.addmm_(grad.t(), h)
+                if first:
+                    torch.mm(grad.t(), h, out=self.weight)
+                else:
+                    self.weight.addmm_(grad.t(), h)
             elif mixed:
-                torch.addmm(self.weight, grad.t(), h, out_dtype=torch.float32, out=self.weight)
+                if first:
+                    torch.mm(grad.t(), h, out_dtype=torch.float32, out=self.weight)
+                else:
+                    torch.addmm(self.weight, grad.t(), h, out_dtype=torch.float32, out=self.weight)
             else:  # into chunk-reused buffers: a fresh [V, H] product per chunk, and torch's mixed-dtype add_
                 # (6x slower on CPU than a copy and an fp32 add), would cost more than the GEMM
                 if self._product is None:
                     self._product = torch.empty(self.weight.shape, dtype=grad.dtype, device=grad.device)
                     self._product32 = torch.empty_like(self.weight)
                 torch.mm(grad.t(), h, out=self._product)
-                self.weight += self._product32.copy_(self._product)
+                if first:
+                    self.weight.copy_(self._product)
+                else:
+                    self.weight += self._product32.copy_(self._product)
         if self.bias is not None:
-            self.bias += grad.sum(dim=0, dtype=torch.float32)
+            if first:
+                torch.sum(grad, dim=0, dtype=torch.float32, out=self.bias)
+            else:
+                self.bias += grad.sum(dim=0, dtype=torch.float32)
 
     def finish(self, ratio: torch.Tensor | None, like: tuple) -> tuple:
         """Scaled by ``ratio`` (a power of two: exact), cast to the dtypes of ``like`` (hidden, weight, bias)."""
+        if not self._started:  # no chunk at all (no token): zero gradients, as the reference gives
+            for grad in (self.weight, self.bias):
+                if grad is not None:
+                    grad.zero_()
         out = []
         for grad, ref in zip((self.hidden, self.weight, self.bias), like, strict=True):
             if grad is not None and ratio is not None:
@@ -229,7 +249,8 @@ class _ChunkedHead(torch.autograd.Function):
         if basis is not None and upstream[0] is not None and all(g is None for g in upstream[1:]):
             ratio = _exact_ratio(upstream[0], ctx.chunk_math.valid, ctx.plan.predicted)
             if ratio is not None:
-                return *basis.finish(ratio, like), *none
+                # a ratio of 1 (the usual case) scales nothing: no pass over the gradients
+                return *basis.finish(None if float(ratio) == 1.0 else ratio, like), *none
         chunk_math = ctx.chunk_math
         grads = _pass(
             hidden, weight, bias, ctx.plan, ctx.needs,
