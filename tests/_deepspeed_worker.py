@@ -40,6 +40,14 @@ import fasttrain
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def truth_stage(stage: int, dtype: torch.dtype) -> int:
+    """The ZeRO stage a run uses. ZeRO-3 partitions the parameters through ``zero.Init``, which refuses float64
+    (DeepSpeed 0.19.8: "Invalid data type torch.float64, allowed values are [torch.half, torch.bfloat16,
+    torch.float]"), so the float64 truth of a ZeRO-3 launch runs ZeRO-2: the same data-parallel math on the same
+    two ranks, sharded otherwise, which in float64 changes nothing the float32 runs could see."""
+    return 2 if stage == 3 and dtype == torch.float64 else stage
+
+
 def ds_config(stage: int, with_optimizer: bool) -> dict:
     config = {
         # ZeRO-3 keeps parameters under the persistence threshold (100k elements) whole on every rank: at 0
@@ -155,7 +163,7 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
     args = tiny.training_args(
         str(Path(a.out) / run),
         use_cpu=False,  # use_cpu switches DeepSpeed off; DS_ACCELERATOR=cpu keeps everything on the CPU
-        deepspeed=ds_config(a.stage, spec["ds_optimizer"]),
+        deepspeed=ds_config(truth_stage(a.stage, dtype), spec["ds_optimizer"]),
         max_steps=-1,
         num_train_epochs=a.epochs,
         per_device_train_batch_size=2,

@@ -156,7 +156,7 @@ def test_runs_are_zero_on_two_ranks(launched, stage):
             assert (r["world_size"], r["distributed_type"], r["zero_stage"]) == (
                 2,
                 "DistributedType.DEEPSPEED",
-                stage,
+                min(stage, 2) if name == "truth" else stage,  # ZeRO-3 refuses float64: _deepspeed_worker.truth_stage
             )
     assert {r["weights_dtype"] for r in runs["truth"]} == {"torch.float64"}
     # every run of the launch started from the same weights (a model built under a leftover zero.Init would not)
