@@ -17,7 +17,7 @@ over speculation; > 1: the speculation wins), and whether the two gradients are 
     python benchmarks/bench_loss_speculation.py          # writes benchmarks/results/loss_speculation_cpu.{json,md}
     python benchmarks/bench_loss_speculation.py --tokens 256 --reps 2   # quick look
     python benchmarks/bench_loss_speculation.py --device cuda --tokens 8192 --hidden 2048 --vocab 151936 \
-        --reps 10 --name loss_speculation_gpu --out DIR  # benchmarks/gpu/run.sh's speculation step (Triton kernels)
+        --reps 6 --name loss_speculation_gpu --out DIR  # benchmarks/gpu/run.sh's speculation step (Triton kernels)
 """
 
 from __future__ import annotations

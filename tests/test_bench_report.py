@@ -391,6 +391,10 @@ def test_an_off_hot_path_says_off_once(status, cell):
 
 
 def test_every_ratio_row_says_which_way_is_better(results):
+    # measured, so that its row has a ratio (an unmeasured value shows n/a alone)
+    for runs in results.values():
+        for run in runs:
+            run["tokens_per_cpu_s"] = run["tokens_per_s"] / 2
     _, table = report.rows(_full(results))
     labels = {row[0].strip(): row for row in table}
     ratio_rows = [label for label, row in labels.items() if any(c.endswith("x)") for c in row[1:])]

@@ -231,6 +231,48 @@ def test_trainer_types_and_their_defaults():
     assert config.trainer_type == "dpo" and not config.group_by_length
 
 
+def test_generating_trainers_have_their_own_defaults():
+    """GRPO and RLOO: 8 completions of up to 512 tokens per prompt, one prompt a step on CPU; KTO is like DPO."""
+    for trainer in ("grpo", "rloo"):
+        config, contenders, _ = _resolve(["bench", "--device", "cpu", "--trainer", trainer])
+        assert config.generates and config.completions == "sampled"
+        assert (config.num_generations, config.max_completion_length) == (8, 512)
+        assert (config.batch_size, config.grad_accum, config.steps, config.warmup_steps) == (8, 1, 4, 1)
+        assert (config.lengths, config.seq_len) == ("lognormal", 512)  # prompts
+        assert config.examples_needed == 4  # prompts: one per step
+        assert [c.trainer for c in contenders] == [REFERENCE, FASTTRAIN]
+    config, _, _ = _resolve(["bench", "--device", "cpu", "--trainer", "kto"])
+    assert not config.generates and (config.batch_size, config.steps) == (4, 12)
+    config, _, _ = _resolve(
+        ["bench", "--device", "cpu", "--trainer", "grpo", "--batch-size", "4", "--grad-accum", "3", "--num-generations",
+         "6", "--max-completion-length", "64", "--completions", "synthetic", "--steps", "5"]
+    )  # fmt: skip
+    assert (config.num_generations, config.max_completion_length, config.completions) == (6, 64, "synthetic")
+    assert config.examples_needed == 5 * 4 * 3 // 6
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--trainer", "sft", "--num-generations", "4"],
+            "--num-generations only apply to --trainer grpo and rloo",
+        ),
+        (
+            ["--trainer", "dpo", "--completions", "synthetic"],
+            "--completions only apply to --trainer grpo and rloo",
+        ),
+        (["--trainer", "grpo", "--batch-size", "6"], "must be a multiple of --num-generations (8)"),
+        (["--trainer", "rloo", "--num-generations", "1"], "--num-generations must be at least 2"),
+        (["--trainer", "grpo", "--max-completion-length", "0"], "--max-completion-length must be at least 1"),
+        (["--trainer", "kto", "--group-by-length"], "--group-by-length does not apply to --trainer kto"),
+        (["--trainer", "grpo", "--liger"], "--liger does not apply to --trainer grpo"),
+    ],
+)
+def test_generating_trainer_options_are_checked(capsys, argv, message):
+    assert message in _error(capsys, ["bench", "--device", "cpu", *argv])
+
+
 def test_dpo_refuses_group_by_length(capsys):
     err = _error(capsys, ["bench", "--device", "cpu", "--trainer", "dpo", "--group-by-length"])
     assert "--group-by-length does not apply to --trainer dpo" in err

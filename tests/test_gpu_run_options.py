@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "benchmarks" / "gpu" / "run.sh"
 GPU_STEPS = [
     "install", "environment", "hardware", "kernels", "parity", "adamw", "loss", "loss-trl", "loss-speculation", "e2e",
-    "packing", "trl-sft", "trl-dpo", "summary",
+    "packing", "trl-sft", "trl-dpo", "grpo", "summary",
 ]  # fmt: skip
 
 

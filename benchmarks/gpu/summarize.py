@@ -48,7 +48,15 @@ def _bench(path: Path) -> str:
         if not key.endswith("_vs_reference"):
             continue
         name = key.removesuffix("_vs_reference")
-        part = f"{name} {vs['tokens_per_s_ratio']:.2f}x tokens/s, {vs['peak_memory_ratio']:.2f}x peak memory"
+        if "training_phase_time_s_ratio" in vs:  # GRPO/RLOO: the training phase's figures (generation apart)
+            part = (
+                f"{name} training phase {vs['tokens_per_s_ratio']:.2f}x tokens/s, "
+                f"{vs['training_peak_memory_mb_ratio']:.2f}x its peak memory"
+            )
+        else:
+            part = (
+                f"{name} {vs['tokens_per_s_ratio']:.2f}x tokens/s, {vs['peak_memory_ratio']:.2f}x peak memory"
+            )
         worst = vs.get("largest_metric_difference") or {}
         if worst.get("metric"):
             part += f", max metric diff {worst['max_rel']:.1e} ({worst['metric']})"
@@ -161,6 +169,7 @@ HEADLINES = {
     ],
     "trl-sft": [("bench_sft_gpu.json", _bench), ("bench_sft_gpu_smoke.json", _bench)],
     "trl-dpo": [("bench_dpo_gpu.json", _bench), ("bench_dpo_gpu_smoke.json", _bench)],
+    "grpo": [("bench_grpo_gpu.json", _bench), ("bench_grpo_gpu_smoke.json", _bench)],
     "hardware": [("hardware.json", _hardware), ("hardware_smoke.json", _hardware)],
     "compile": [("logs/compile.log", _compile)],
     "adamw": [("adamw_gpu.json", _adamw), ("adamw_gpu_smoke.json", _adamw)],

@@ -46,9 +46,19 @@ DEVICE_DEFAULTS = {
 # Steps left out of the timing unless --warmup-steps says otherwise: the first ones compile kernels and warm
 # caches. Never more than --steps minus one, so that a short run still times at least one step.
 DEFAULT_WARMUP_STEPS = 2
-# --trainer: which Trainer both sides run. "sft"/"dpo": TRL's SFTTrainer/DPOTrainer, plain against the same
-# trainer under fasttrain.patch().
-TRAINER_TYPES = ("transformers", "sft", "dpo")
+# --trainer: which Trainer both sides run. "sft"/"dpo"/"kto"/"grpo"/"rloo": TRL's trainer of that name, plain
+# against the same trainer under fasttrain.patch().
+TRAINER_TYPES = ("transformers", "sft", "dpo", "kto", "grpo", "rloo")
+# GRPO and RLOO generate before they train: their own defaults, per device. --seq-len limits the prompts;
+# --batch-size counts completions (TRL's per_device_train_batch_size), so a step trains on batch x grad-accum /
+# num_generations prompts. CPU: one prompt a step, 8 completions of up to 512 tokens, 4 steps (1 warm-up): a run
+# is a few minutes on 2 cores, most of it sampling. CUDA: 4 prompts a step (2 micro-batches of 16 completions).
+RL_DEFAULTS = {
+    "cpu": {"seq_len": 512, "batch_size": 8, "grad_accum": 1, "steps": 4, "warmup_steps": 1},
+    "cuda": {"seq_len": 512, "batch_size": 16, "grad_accum": 2, "steps": 6, "warmup_steps": 1},
+}
+RL_NUM_GENERATIONS = 8
+RL_MAX_COMPLETION_LENGTH = 512
 
 
 class UsageError(ValueError):
@@ -62,18 +72,23 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
         "bench",
         help="run the transformers Trainer and fasttrain side by side",
         description="Train the same model on the same data with the same seed and arguments, once with "
-        "transformers.Trainer and once with fasttrain.Trainer (or, with --trainer sft/dpo, TRL's trainer plain "
-        "and under fasttrain.patch()), each in its own process, alternating repetitions; then print a "
-        "side-by-side table.",
+        "transformers.Trainer and once with fasttrain.Trainer (or, with --trainer sft/dpo/kto/grpo/rloo, TRL's "
+        "trainer plain and under fasttrain.patch()), each in its own process, alternating repetitions; then print "
+        "a side-by-side table. GRPO and RLOO steps have two phases, reported apart: generation (the time inside "
+        "model.generate, which fasttrain does not touch) and training (the rest of the step: rewards, scoring, "
+        "the loss forward and backward, the optimizer step); their tokens/s and step time are the training "
+        "phase's, peak memory is given for each phase and for the whole run.",
     )
     p.set_defaults(command_parser=p)  # main() reports a misspelled option with this parser's usage
     p.add_argument(
         "--trainer",
         choices=TRAINER_TYPES,
         default="transformers",
-        help="transformers: transformers.Trainer against fasttrain.Trainer; sft / dpo: TRL's SFTTrainer / "
-        "DPOTrainer (completion-only SFT; DPO with a reference model), plain against under fasttrain.patch() "
-        "(needs trl; default: transformers)",
+        help="transformers: transformers.Trainer against fasttrain.Trainer; sft / dpo / kto / grpo / rloo: TRL's "
+        "SFTTrainer / DPOTrainer / KTOTrainer / GRPOTrainer / RLOOTrainer (completion-only SFT; DPO and KTO with a "
+        "reference model; GRPO and RLOO generating --num-generations completions per prompt with model.generate, "
+        "rewarded by cheap deterministic functions), plain against under fasttrain.patch() (needs trl; default: "
+        "transformers)",
     )
     shapes = "; ".join(
         f"{n}: {models.describe_summary(models.builtin_summary(n))}" for n in models.BUILTIN_SHAPES
@@ -103,15 +118,50 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
         "'lognormal' (drawn like instruction data: median 180 tokens, clipped to 16..--seq-len, filled from "
         "the dataset's token stream) (default: lognormal on cpu, natural on cuda)",
     )
-    p.add_argument("--steps", type=int, help="optimizer steps per run (default: 12)")
+    rl_cpu, rl_cuda = RL_DEFAULTS["cpu"], RL_DEFAULTS["cuda"]
+    p.add_argument(
+        "--steps",
+        type=int,
+        help=f"optimizer steps per run (default: 12; grpo/rloo: {rl_cpu['steps']} on cpu, {rl_cuda['steps']} on cuda)",
+    )
     p.add_argument(
         "--seq-len",
         type=int,
         help="maximum tokens per example (default: 1024 on cpu with --lengths lognormal, 256 with natural; "
-        "4096 on cuda)",
+        f"4096 on cuda); grpo/rloo: per prompt (default: {rl_cpu['seq_len']})",
     )
-    p.add_argument("--batch-size", type=int, help="per-device batch size (default: 4 on cpu, 2 on cuda)")
-    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: 1)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help="per-device batch size (default: 4 on cpu, 2 on cuda); grpo/rloo: completions per micro-batch, as "
+        f"TRL's per_device_train_batch_size (default: {rl_cpu['batch_size']} on cpu, {rl_cuda['batch_size']} on "
+        "cuda)",
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        help=f"gradient accumulation steps (default: 1; grpo/rloo: {rl_cpu['grad_accum']} on cpu, "
+        f"{rl_cuda['grad_accum']} on cuda)",
+    )
+    p.add_argument(
+        "--num-generations",
+        type=int,
+        help="grpo/rloo: completions per prompt; --batch-size x --grad-accum must be a multiple of it "
+        f"(default: {RL_NUM_GENERATIONS})",
+    )
+    p.add_argument(
+        "--max-completion-length",
+        type=int,
+        help=f"grpo/rloo: longest completion in tokens (default: {RL_MAX_COMPLETION_LENGTH})",
+    )
+    p.add_argument(
+        "--completions",
+        choices=["sampled", "synthetic"],
+        help="grpo/rloo: 'sampled' by TRL with model.generate (seeded; a built-in model gets extra stop ids, so that "
+        "lengths vary below the limit) or 'synthetic': model.generate replaced by random tokens of log-normal "
+        "lengths (median 180, up to --max-completion-length), no model call, so the run measures the training "
+        "phase alone (default: sampled)",
+    )
     p.add_argument(
         "--bf16",
         action=argparse.BooleanOptionalAction,
@@ -122,7 +172,8 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--warmup-steps",
         type=int,
-        help=f"first steps left out of the timing (default: {DEFAULT_WARMUP_STEPS}, at most --steps minus 1)",
+        help=f"first steps left out of the timing (default: {DEFAULT_WARMUP_STEPS}; grpo/rloo: "
+        f"{rl_cpu['warmup_steps']}; at most --steps minus 1)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
@@ -132,7 +183,8 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="train_sampling_strategy='group_by_length' on both sides (default: off, as in most fine-tuning "
-        "scripts; not for --trainer dpo, whose preference rows have no input_ids column to group by)",
+        "scripts; only for --trainer transformers and sft: the other trainers' rows have no input_ids column to "
+        "group by)",
     )
     p.add_argument(
         "--liger",
@@ -204,47 +256,71 @@ def _check_output_path(option: str, path: str | None) -> None:
 def resolve(args: argparse.Namespace):
     """Validated settings: (BenchConfig, contenders, repeats)."""
     from .bench import data, models
-    from .bench.config import FASTTRAIN, LIGER, REFERENCE, BenchConfig, Contender
+    from .bench.config import FASTTRAIN, GENERATING_TRAINERS, LIGER, REFERENCE, BenchConfig, Contender
 
     device = args.device
     if device == "auto":
         device = "cuda" if _cuda_available() else "cpu"
     elif device == "cuda" and not _cuda_available():
         raise UsageError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
-    defaults = DEVICE_DEFAULTS[device]
+    trainer_type = args.trainer
+    generates = trainer_type in GENERATING_TRAINERS
+    defaults = {**DEVICE_DEFAULTS[device], "grad_accum": 1, "warmup_steps": None}
+    if generates:
+        defaults.update(RL_DEFAULTS[device], lognormal_seq_len=RL_DEFAULTS[device]["seq_len"])
     pick = lambda value, key: defaults[key] if value is None else value  # noqa: E731
 
     lengths = pick(args.lengths, "lengths")
-    steps, seq_len, batch = (
+    steps, seq_len, batch, grad_accum = (
         pick(args.steps, "steps"),
         pick(args.seq_len, "lognormal_seq_len" if lengths == data.LOGNORMAL else "seq_len"),
         pick(args.batch_size, "batch_size"),
+        pick(args.grad_accum, "grad_accum"),
     )
     threads = args.threads if args.threads is not None else len(os.sched_getaffinity(0))
     # Derived from --steps unless given: `--steps 1` alone must not trip over an option the user never set.
     warmup = args.warmup_steps
     if warmup is None:
-        warmup = min(DEFAULT_WARMUP_STEPS, max(steps - 1, 0))
+        warmup = min(defaults["warmup_steps"] or DEFAULT_WARMUP_STEPS, max(steps - 1, 0))
+    rl_options = (
+        ("--num-generations", args.num_generations),
+        ("--max-completion-length", args.max_completion_length),
+        ("--completions", args.completions),
+    )
+    if not generates:
+        given = [option for option, value in rl_options if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} only apply to --trainer grpo and rloo")
+    num_generations = RL_NUM_GENERATIONS if args.num_generations is None else args.num_generations
+    max_completion = (
+        RL_MAX_COMPLETION_LENGTH if args.max_completion_length is None else args.max_completion_length
+    )
     for option, value, minimum in (
         ("--steps", steps, 1),
         ("--seq-len", seq_len, data.MIN_TOKENS),
         ("--batch-size", batch, 1),
-        ("--grad-accum", args.grad_accum, 1),
+        ("--grad-accum", grad_accum, 1),
         ("--repeats", args.repeats, 1),
         ("--warmup-steps", warmup, 0),
         ("--threads", threads, 1),
+        ("--num-generations", num_generations, 2),
+        ("--max-completion-length", max_completion, 1),
     ):
         if value < minimum:
             raise UsageError(f"{option} must be at least {minimum} (got {value})")
     if warmup >= steps:
         raise UsageError(f"--warmup-steps ({warmup}) must be smaller than --steps ({steps})")
-    trainer_type = args.trainer
+    if generates and (batch * grad_accum) % num_generations:
+        raise UsageError(
+            f"--batch-size x --grad-accum ({batch} x {grad_accum}) must be a multiple of --num-generations "
+            f"({num_generations}): each step trains on whole groups of one prompt's completions"
+        )
     if trainer_type != "transformers" and importlib.util.find_spec("trl") is None:
         raise UsageError(f"--trainer {trainer_type} needs TRL, which is not installed (pip install trl)")
     group_by_length = bool(args.group_by_length)
-    if group_by_length and trainer_type == "dpo":
+    if group_by_length and trainer_type not in ("transformers", "sft"):
         raise UsageError(
-            "--group-by-length does not apply to --trainer dpo: preference rows have no input_ids column"
+            f"--group-by-length does not apply to --trainer {trainer_type}: its rows have no input_ids column"
         )
     if not args.lr > 0:
         raise UsageError(f"--lr must be positive (got {args.lr})")
@@ -262,7 +338,11 @@ def resolve(args: argparse.Namespace):
             raise UsageError("--bf16 on cpu needs a torch build with oneDNN (mkldnn)")
 
     liger_installed = importlib.util.find_spec("liger_kernel") is not None
-    liger = args.liger if args.liger is not None else (device == "cuda" and liger_installed)
+    liger = args.liger if args.liger is not None else (device == "cuda" and liger_installed and not generates)
+    if liger and generates:
+        raise UsageError(
+            f"--liger does not apply to --trainer {trainer_type}: TRL keeps its own fused LM head there"
+        )
     if liger and not liger_installed:
         raise UsageError("--liger: liger_kernel is not installed (pip install liger-kernel)")
     if liger and device != "cuda":
@@ -284,7 +364,7 @@ def resolve(args: argparse.Namespace):
         steps=steps,
         seq_len=seq_len,
         batch_size=batch,
-        grad_accum=args.grad_accum,
+        grad_accum=grad_accum,
         bf16=bf16,
         seed=args.seed,
         threads=threads,
@@ -293,6 +373,9 @@ def resolve(args: argparse.Namespace):
         group_by_length=group_by_length,
         trainer_type=trainer_type,
         lengths=lengths,
+        num_generations=num_generations,
+        max_completion_length=max_completion,
+        completions=args.completions or "sampled",
     )
     contenders = [Contender(REFERENCE, REFERENCE), Contender(FASTTRAIN, FASTTRAIN)]
     if liger:
@@ -334,6 +417,10 @@ def announce(config, contenders, repeats: int) -> list[str]:
         f"{plural(repeats, 'repetition')} each) of {plural(config.steps, 'optimizer step')}, "
         f"{warmup_note(config.warmup_steps)}; model {model_note(config.model)}"
     ]
+    if config.generates:
+        from .bench.report import rl_note
+
+        lines.append(f"fasttrain bench: {rl_note(config)}; generation and training phases timed apart")
     if config.warmup_steps == 0:
         lines.append(f"fasttrain bench: warning: {NO_WARMUP_NOTE}")
     return lines
@@ -360,6 +447,17 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
         data["runs_planned"] = planned
         if load_start is not None:
             data["load_average"] = {"start": load_start, "end": _load_average()}
+            during = [
+                r["load_average_during"]
+                for runs in results.values()
+                for r in runs
+                if "load_average_during" in r
+            ]
+            if during:
+                data["load_average"]["during_runs"] = {
+                    "mean": sum(d["mean"] for d in during) / len(during),
+                    "max": max(d["max"] for d in during),
+                }
         data["environment"] = report.environment(data)
         return data
 

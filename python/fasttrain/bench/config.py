@@ -10,6 +10,8 @@ from typing import Any
 REFERENCE = "reference"
 FASTTRAIN = "fasttrain"
 LIGER = "liger"
+# --trainer kinds whose step generates completions (model.generate) before training on them
+GENERATING_TRAINERS = ("grpo", "rloo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,15 +29,28 @@ class BenchConfig:
     learning_rate: float
     warmup_steps: int
     group_by_length: bool
-    # "transformers": transformers.Trainer against fasttrain.Trainer; "sft" / "dpo": TRL's SFTTrainer /
-    # DPOTrainer, plain against under fasttrain.patch()
+    # "transformers": transformers.Trainer against fasttrain.Trainer; "sft" / "dpo" / "kto" / "grpo" / "rloo":
+    # TRL's trainer of that name, plain against under fasttrain.patch()
     trainer_type: str = "transformers"
     # "natural": the data's own lengths; "lognormal": drawn like instruction data (see bench/data.py)
     lengths: str = "natural"
+    # GRPO and RLOO (bench/rl_runs.py): completions per prompt, their length limit, and where they come from:
+    # "sampled" (TRL's model.generate) or "synthetic" (random tokens, no generation: the training phase alone)
+    num_generations: int = 8
+    max_completion_length: int = 512
+    completions: str = "sampled"
+
+    @property
+    def generates(self) -> bool:
+        """GRPO and RLOO: each step generates completions before it trains on them."""
+        return self.trainer_type in GENERATING_TRAINERS
 
     @property
     def examples_needed(self) -> int:
-        return self.steps * self.batch_size * self.grad_accum
+        """Examples one run consumes; for GRPO and RLOO, prompts (``batch_size`` counts completions there, as in
+        TRL, and each prompt has ``num_generations`` of them)."""
+        completions = self.steps * self.batch_size * self.grad_accum
+        return completions // self.num_generations if self.generates else completions
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -28,6 +28,9 @@ _SIDES = {
     "transformers": ("transformers.Trainer, optim=adamw_torch_fused", "fasttrain.Trainer"),
     "sft": ("TRL SFTTrainer, plain", "TRL SFTTrainer under fasttrain.patch()"),
     "dpo": ("TRL DPOTrainer, plain", "TRL DPOTrainer under fasttrain.patch()"),
+    "kto": ("TRL KTOTrainer, plain", "TRL KTOTrainer under fasttrain.patch()"),
+    "grpo": ("TRL GRPOTrainer, plain", "TRL GRPOTrainer under fasttrain.patch()"),
+    "rloo": ("TRL RLOOTrainer, plain", "TRL RLOOTrainer under fasttrain.patch()"),
 }
 
 
@@ -161,21 +164,24 @@ def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             if summary is None:
                 cells.append("failed")
                 continue
-            cell = _fmt(summary[key], digits)
+            cell = _fmt(summary.get(key), digits)
             vs = comparison.get(f"{name}_vs_reference")
-            if ratio_key and vs is not None:
-                cell += f" ({vs[ratio_key]:.2f}x)"
+            if ratio_key and vs is not None and cell != "n/a":
+                cell += f" ({_ratio(vs.get(ratio_key))})"
             cells.append(cell)
         return cells
 
-    table = [
-        line(f"tokens/s ({HIGHER})", "tokens_per_s", 1, "tokens_per_s_ratio"),
-        line(f"step time, s ({LOWER})", "step_time_s", 3, "step_time_ratio"),
-        line(f"tokens per CPU-second ({HIGHER})", "tokens_per_cpu_s", 1, "tokens_per_cpu_s_ratio"),
-        line(f"peak memory, MB ({LOWER})", "peak_memory_mb", 0, "peak_memory_ratio"),
-        line(f"  of which above setup, MB ({LOWER})", "peak_above_setup_mb", 0, "peak_above_setup_ratio"),
-        line("final loss", "final_loss", 4),
-    ]
+    if _has_phases(data):
+        table = _phase_lines(line, synthetic=data.get("config", {}).get("completions") == "synthetic")
+    else:
+        table = [
+            line(f"tokens/s ({HIGHER})", "tokens_per_s", 1, "tokens_per_s_ratio"),
+            line(f"step time, s ({LOWER})", "step_time_s", 3, "step_time_ratio"),
+            line(f"tokens per CPU-second ({HIGHER})", "tokens_per_cpu_s", 1, "tokens_per_cpu_s_ratio"),
+            line(f"peak memory, MB ({LOWER})", "peak_memory_mb", 0, "peak_memory_ratio"),
+            line(f"  of which above setup, MB ({LOWER})", "peak_above_setup_mb", 0, "peak_above_setup_ratio"),
+        ]
+    table.append(line("final loss", "final_loss", 4))
     diff = ["largest per-step loss diff vs reference (abs / rel)"]
     worst = ["largest per-step metric diff vs reference (rel, metric)"]
     floor = ["largest loss diff between own repetitions"]
@@ -202,6 +208,104 @@ def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     if failed:
         table.append(["error", *[_first_line(failed[n]) if n in failed else "-" for n, _ in columns]])
     return header, table
+
+
+def _has_phases(data: dict[str, Any]) -> bool:
+    """GRPO and RLOO results: a generation phase and a training phase per step (bench/phases.py)."""
+    return any("phases" in summary for _, summary in finished_columns(data))
+
+
+def _phase_lines(line, synthetic: bool = False) -> list[list[str]]:
+    """The table's figures for a step in two phases, each row naming its phase; with synthetic completions no
+    generation rows (their "generation" draws random numbers)."""
+    rows = [
+        line(f"training phase: scored tokens/s ({HIGHER})", "tokens_per_s", 1, "tokens_per_s_ratio"),
+        line(
+            f"training phase: s per step ({LOWER})", "training_phase_time_s", 3, "training_phase_time_s_ratio"
+        ),
+        line(
+            f"training phase: scored tokens per CPU-second ({HIGHER})",
+            "tokens_per_cpu_s",
+            1,
+            "tokens_per_cpu_s_ratio",
+        ),
+        line(
+            f"training phase: peak memory, MB ({LOWER})",
+            "training_peak_memory_mb",
+            0,
+            "training_peak_memory_mb_ratio",
+        ),
+        line(
+            f"  of which above setup, MB ({LOWER})",
+            "training_peak_above_setup_mb",
+            0,
+            "training_peak_above_setup_mb_ratio",
+        ),
+        line(
+            f"generation: completion tokens/s ({HIGHER})",
+            "generation_tokens_per_s",
+            1,
+            "generation_tokens_per_s_ratio",
+        ),
+        line(f"generation: s per step ({LOWER})", "generation_time_s", 3, "generation_time_s_ratio"),
+        line(
+            f"generation: peak memory, MB ({LOWER})",
+            "generation_peak_memory_mb",
+            0,
+            "generation_peak_memory_mb_ratio",
+        ),
+        line(f"whole step: s per step ({LOWER})", "step_time_s", 3, "step_time_ratio"),
+        line(f"whole step: scored tokens/s ({HIGHER})", "step_tokens_per_s", 1, "step_tokens_per_s_ratio"),
+        line(f"whole run: peak memory, MB ({LOWER})", "peak_memory_mb", 0, "peak_memory_ratio"),
+    ]
+    return [row for row in rows if not (synthetic and row[0].startswith("generation:"))]
+
+
+def rl_note(config: BenchConfig) -> str:
+    """What one GRPO or RLOO step does: prompts, completions, where they come from."""
+    from .rl_runs import STOP_IDS, SYNTHETIC
+
+    completions = config.batch_size * config.grad_accum
+    prompts = completions // config.num_generations
+    if config.completions == SYNTHETIC:
+        source = "synthetic: model.generate replaced by random tokens of log-normal lengths (median 180), no model call"
+    else:
+        source = "sampled by TRL with model.generate (temperature 1, no top-k/top-p, seeded by --seed)"
+        if config.model in _builtin_names():
+            source += (
+                f"; the random-init model gets {STOP_IDS} extra end-of-completion ids (generation_config."
+                "eos_token_id, both sides alike), so lengths vary below the limit"
+            )
+    return (
+        f"each optimizer step: {plural(prompts, 'prompt')} x {config.num_generations} completions (batch "
+        f"{config.batch_size} completions x grad-accum {config.grad_accum}), completions up to "
+        f"{config.max_completion_length} tokens, {source}; rewards: length_reward, distinct_tokens_reward "
+        "(fasttrain/bench/rewards.py)"
+    )
+
+
+def _builtin_names() -> tuple[str, ...]:
+    from .models import BUILTIN_SHAPES
+
+    return tuple(BUILTIN_SHAPES)
+
+
+PHASES_NOTE = (
+    "phases: generation = the time inside model.generate (TRL samples the completions there; fasttrain does not "
+    "touch it, and both sides sample the same completions, so a generation ratio away from 1x is the machine's "
+    "noise); training = the rest of each optimizer step (rewards, the reference model's log-probs where TRL "
+    "computes them, the loss forward and backward, the optimizer step). Training-phase tokens/s = prompt + "
+    "completion tokens through the policy's loss forwards (attention mask) / training-phase time; generation "
+    "tokens/s = completion tokens kept (up to the first end-of-completion id) / generation time"
+)
+
+
+def _mean_completion(config: BenchConfig, summary: dict[str, Any]) -> str:
+    per_step = summary.get("generated_tokens_per_step") or []
+    completions = config.batch_size * config.grad_accum * len(per_step)
+    if not completions:
+        return ""
+    return f"; completions generated: {sum(per_step) / completions:,.0f} tokens on average ({summary['trainer']}'s first run)"
 
 
 def metric_rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -268,23 +372,38 @@ def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
     reference = data.get("reference") or finished[0][1]  # settings every run shares
     dtype = "bf16 weights + bf16=True" if config.bf16 else "fp32"
     reference_side, fasttrain_side = _SIDES[config.trainer_type]
+    phases = _has_phases(data)
+    if phases:
+        shape = f"{plural(config.steps, 'step')}, {_prompts_note(config)}" + _mean_completion(
+            config, reference
+        )
+    else:
+        shape = (
+            f"{plural(config.steps, 'step')} x batch {config.batch_size} x grad-accum {config.grad_accum}, "
+            f"{_lengths_note(config)} (batched as each Trainer's collator does: padded per batch unless a "
+            f"packing hot path is on; {'grouped by length' if config.group_by_length else 'not grouped by length'})"
+        )
+    memory = f"memory: {reference['memory_kind']}; 'above setup' subtracts the value right after the model and data were built"
+    if phases:
+        memory += (
+            "; each phase's peak is the highest value while that phase ran (the peak is read and reset at every "
+            "change of phase), the whole run's includes the setup"
+        )
     return [
         f"reference: {reference_side}; fasttrain: {fasttrain_side}",
         f"model {model_note(config.model, reference.get('model_shape'))}, dataset {config.dataset}, "
-        f"device {config.device}, {dtype}, "
-        f"{plural(config.steps, 'step')} x batch {config.batch_size} x grad-accum {config.grad_accum}, "
-        f"{_lengths_note(config)} (batched as each Trainer's collator does: padded per batch unless a "
-        f"packing hot path is on; {'grouped by length' if config.group_by_length else 'not grouped by length'}), "
+        f"device {config.device}, {dtype}, {shape}, "
         f"seed {config.seed}" + (f", {config.threads} CPU threads" if config.device == "cpu" else ""),
+        *([rl_note(config), PHASES_NOTE] if phases else []),
         f"{plural(reference['repetitions'], 'repetition')} per contender, alternating, each in its own process; "
         "medians shown; tokens/s, step time and tokens per CPU-second count non-padding tokens; "
         + warmup_note(reference["warmup_steps_excluded"]),
         *([f"WARNING: {NO_WARMUP_NOTE}"] if reference["warmup_steps_excluded"] == 0 else []),
-        f"memory: {reference['memory_kind']}; "
-        "'above setup' subtracts the value right after the model and data were built",
+        memory,
         RATIO_LEGEND,
         "the loss and metric differences are the largest over all steps, relative to the reference's value at "
-        "that step (every numeric value the Trainer logs at each step, timings left out)",
+        "that step where it is above 1e-6 in magnitude (nearer zero: absolute only) (every numeric value the Trainer "
+        "logs at each step, timings left out)",
         *_share_note(data),
         *_load_note(data),
         *_progress_note(data),
@@ -319,6 +438,14 @@ def _lengths_note(config: BenchConfig) -> str:
     return f"sequences up to {config.seq_len} tokens (the data's natural lengths)"
 
 
+def _prompts_note(config: BenchConfig) -> str:
+    from .data import LOGNORMAL, LOGNORMAL_MEDIAN, MIN_TOKENS
+
+    if getattr(config, "lengths", "natural") == LOGNORMAL:
+        return f"prompts of log-normal lengths (median {LOGNORMAL_MEDIAN}, {MIN_TOKENS}..{config.seq_len} tokens)"
+    return f"prompts up to {config.seq_len} tokens (the data's natural lengths)"
+
+
 def _share_note(data: dict[str, Any]) -> list[str]:
     if not data.get("shares"):
         return []
@@ -351,7 +478,12 @@ def _load_note(data: dict[str, Any]) -> list[str]:
     if not load or not cores:
         return []
     note = f"machine load average (1 min) at start / end: {load['start']:.1f} / {load['end']:.1f} on {cores} cores"
-    if max(load["start"], load["end"]) > cores:
+    during = load.get("during_runs")
+    highest = max(load["start"], load["end"])
+    if during:  # sampled every few seconds while the runs ran: the runs themselves count up to their threads
+        note += f"; during the runs: mean {during['mean']:.1f}, highest {during['max']:.1f}"
+        highest = max(highest, during["mean"])
+    if highest > cores:
         note += (
             " -- other processes competed for the CPU, so wall-time figures are noisy; "
             "tokens per CPU-second is much less affected"

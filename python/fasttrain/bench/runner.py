@@ -22,6 +22,7 @@ from .config import BenchConfig, Contender, dump
 
 _POLL_S = 0.2
 _LOG_TAIL_LINES = 30
+_LOAD_EVERY_S = 5.0  # the machine's 1-minute load average, sampled while a child runs
 
 
 class BenchError(ValueError):
@@ -77,6 +78,8 @@ def run_one(
     )
     open(progress_path, "w").close()
     seen = 0
+    loads: list[float] = []
+    next_load = 0.0
     with open(log_path, "w", encoding="utf-8") as log:
         child = subprocess.Popen(
             [sys.executable, "-m", "fasttrain.bench.worker", job_path],
@@ -94,6 +97,9 @@ def run_one(
                     seen = done
                 if code is not None:
                     break
+                if time.monotonic() >= next_load:
+                    loads.append(_load_average())
+                    next_load = time.monotonic() + _LOAD_EVERY_S
                 time.sleep(_POLL_S)
         except BaseException:  # Ctrl-C or a failing callback: do not leave the child training
             child.kill()
@@ -112,7 +118,21 @@ def run_one(
             f"the {contender.name} run exited with code {code}; last lines of its log:\n{_tail(log_path)}"
         )
     result["wall_s"] = None  # filled by the caller, which times the whole child
+    loads = [x for x in loads if x is not None]
+    if loads:  # other work on the machine while this run ran (the child itself counts about its threads)
+        result["load_average_during"] = {
+            "mean": sum(loads) / len(loads),
+            "max": max(loads),
+            "samples": len(loads),
+        }
     return result
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
 
 
 Results = dict[str, list[dict[str, Any]]]

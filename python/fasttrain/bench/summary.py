@@ -15,14 +15,23 @@ def _median(values: list[float]) -> float:
     return statistics.median(clean) if clean else float("nan")
 
 
+# A reference value this close to zero is a rounding zero (RLOO's on-policy loss is about 1e-8 at every step): a
+# difference relative to it means nothing, so such steps count in the absolute difference only
+REL_FLOOR = 1e-6
+
+
 def loss_difference(a: list[float | None], b: list[float | None]) -> dict[str, float | int | None]:
-    """Largest per-step |a - b| over the steps both logged, absolute and relative to |a|."""
+    """Largest per-step |a - b| over the steps both logged, absolute, and relative to |a| over the steps where
+    |a| > ``REL_FLOOR`` (None when there is no such step)."""
     pairs = [(x, y) for x, y in zip(a, b, strict=False) if x is not None and y is not None]
     if not pairs:
         return {"max_abs": None, "max_rel": None, "steps_compared": 0}
+    relative = [abs(x - y) / abs(x) for x, y in pairs if abs(x) > REL_FLOOR]
+    if len(relative) < len(pairs) and all(x == y for x, y in pairs if abs(x) <= REL_FLOOR):
+        relative.append(0.0)  # equal where the value is about zero: no relative difference there either
     return {
         "max_abs": max(abs(x - y) for x, y in pairs),
-        "max_rel": max(abs(x - y) / max(abs(x), 1e-12) for x, y in pairs),
+        "max_rel": max(relative) if relative else None,
         "steps_compared": len(pairs),
     }
 
@@ -46,6 +55,19 @@ def largest_metric_difference(differences: dict[str, dict[str, Any]]) -> dict[st
 def _metrics(run: dict[str, Any]) -> dict[str, list]:
     """Per-step metrics of one run (results written before they were recorded carry loss and grad_norm only)."""
     return run.get("metrics") or {"loss": run["losses"], "grad_norm": run.get("grad_norms") or []}
+
+
+# GRPO and RLOO (bench/phases.py): the figures of each phase, medians over repetitions like the others; a run
+# without them (every other trainer) leaves them out
+PHASE_KEYS = (
+    "generation_time_s",
+    "generation_tokens_per_s",
+    "generation_peak_memory_mb",
+    "training_phase_time_s",
+    "training_peak_memory_mb",
+    "training_peak_above_setup_mb",
+    "step_tokens_per_s",
+)
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -77,6 +99,12 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         ),
         "runs": runs,
     }
+    for key in PHASE_KEYS:
+        if key in first:
+            summary[key] = _median([r.get(key) for r in runs])
+    if "phases" in first:
+        summary["phases"] = first["phases"]
+        summary["generated_tokens_per_step"] = first["generated_tokens_per_step"]
     if "gpu_name" in first:
         summary["gpu_name"] = first["gpu_name"]
     if first.get("train_flops_per_token"):
@@ -86,10 +114,14 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def compare(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     def ratio(key: str) -> float:
-        base = reference[key]
-        return other[key] / base if base else float("nan")
+        base, value = reference.get(key), other.get(key)
+        if not base or value is None or math.isnan(base) or math.isnan(value):
+            return float("nan")
+        return value / base
 
+    phases = {f"{key}_ratio": ratio(key) for key in PHASE_KEYS if key in reference and key in other}
     return {
+        **phases,
         "tokens_per_s_ratio": ratio("tokens_per_s"),
         "step_time_ratio": ratio("step_time_s"),
         "tokens_per_cpu_s_ratio": ratio("tokens_per_cpu_s"),

@@ -1,4 +1,5 @@
-"""``fasttrain bench --trainer sft|dpo``: one run of TRL's SFTTrainer or DPOTrainer, plain or under ``patch()``.
+"""``fasttrain bench --trainer sft|dpo|kto``: one run of TRL's SFTTrainer, DPOTrainer or KTOTrainer, plain or under
+``patch()`` (GRPO and RLOO, which generate: ``rl_runs``).
 
 Both sides build the same trainer class from the same model, data, seed and arguments; the fasttrain side only
 calls ``fasttrain.patch()`` first, as a TRL user would. TRL's own defaults stay (its collators, gradient
@@ -11,6 +12,8 @@ Data, from the bench's token-id examples (same ids, same order on both sides):
   example is the prompt), trained completion-only (``completion_only_loss=True``);
 - DPO: preference rows as text: the prompt is the start of one example, ``chosen`` its own continuation,
   ``rejected`` the continuation of the next example; DPO's frozen reference model has the same initial weights.
+- KTO: the same rows unpaired (``prompt``/``completion``/``label``): even rows keep the chosen completion (desirable),
+  odd rows the rejected one (undesirable), so the two kinds are balanced; a reference model like DPO's.
 """
 
 from __future__ import annotations
@@ -56,6 +59,17 @@ def preference_rows(examples: list[list[int]], tokenizer, seq_len: int, seed: in
     return rows
 
 
+def unpaired_rows(examples: list[list[int]], tokenizer, seq_len: int, seed: int) -> dict[str, list]:
+    """``prompt``/``completion``/``label`` rows for KTO: ``preference_rows``' chosen completion on even rows (label
+    True), its rejected one on odd rows (False)."""
+    paired = preference_rows(examples, tokenizer, seq_len, seed)
+    rows: dict[str, list] = {"prompt": paired["prompt"], "completion": [], "label": []}
+    for i, (chosen, rejected) in enumerate(zip(paired["chosen"], paired["rejected"], strict=True)):
+        rows["completion"].append(chosen if i % 2 == 0 else rejected)
+        rows["label"].append(i % 2 == 0)
+    return rows
+
+
 def build_trainer(
     config: BenchConfig,
     contender: Contender,
@@ -70,6 +84,10 @@ def build_trainer(
     import datasets
     import trl
 
+    if config.generates:
+        from . import rl_runs
+
+        return rl_runs.build_trainer(config, contender, model, tokenizer, examples, output_dir, callback)
     if contender.trainer == FASTTRAIN:
         import fasttrain
 
@@ -90,6 +108,18 @@ def build_trainer(
         args = trl.DPOConfig(**kwargs, max_length=config.seq_len)
         rows = preference_rows(examples, tokenizer, config.seq_len, config.seed)
         return trl.DPOTrainer(
+            model=model,
+            ref_model=ref_model,
+            args=args,
+            train_dataset=datasets.Dataset.from_dict(rows),
+            processing_class=tokenizer,
+            callbacks=[callback],
+        )
+    if config.trainer_type == "kto":
+        kwargs = training_kwargs(config, contender, output_dir, trl.KTOConfig)
+        args = trl.KTOConfig(**kwargs, max_length=config.seq_len)
+        rows = unpaired_rows(examples, tokenizer, config.seq_len, config.seed)
+        return trl.KTOTrainer(
             model=model,
             ref_model=ref_model,
             args=args,

@@ -74,13 +74,17 @@ class RealTokenCounter:
     and so would the Trainer's own ``include_num_input_tokens_seen``). The total stays a tensor on the
     batch's device until ``total()``, read once per optimizer step."""
 
-    def __init__(self, model, pad_token_id: int | None) -> None:
+    def __init__(self, model, pad_token_id: int | None, grad_only: bool = False) -> None:
         self.pad_token_id = pad_token_id
+        # GRPO and RLOO: only the forwards that build a graph (the loss's), not generation's or scoring's
+        self.grad_only = grad_only
         self._total = None
         self._handle = model.register_forward_pre_hook(self._count, with_kwargs=True)
 
     def _count(self, module, args, kwargs):
-        if not module.training:
+        import torch
+
+        if not module.training or (self.grad_only and not torch.is_grad_enabled()):
             return
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         mask = kwargs.get("attention_mask")
@@ -101,9 +105,11 @@ class RealTokenCounter:
         self._handle.remove()
 
 
-def _recorder(config: BenchConfig, progress_path: str | None, is_cuda: bool, counter: RealTokenCounter):
+def _recorder(
+    config: BenchConfig, progress_path: str | None, is_cuda: bool, counter: RealTokenCounter, meter=None
+):
     """A TrainerCallback that records every optimizer step: wall time, real tokens seen (``counter``), and
-    every metric logged."""
+    every metric logged; and, for GRPO and RLOO, closes each step's phases (``meter``: bench/phases.py)."""
     import torch
     from transformers import TrainerCallback
 
@@ -126,11 +132,15 @@ def _recorder(config: BenchConfig, progress_path: str | None, is_cuda: bool, cou
         def on_train_begin(self, args, state, control, **kwargs):
             self.start = self._now()
             self.start_cpu = time.process_time()
+            if meter is not None:
+                meter.start()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.step_end.append(self._now())
             self.step_end_cpu.append(time.process_time())
             self.tokens_seen.append(counter.total())
+            if meter is not None:
+                meter.step_end()
             if self.progress:
                 self.progress.write(f"{state.global_step}\n")
                 self.progress.flush()
@@ -144,7 +154,7 @@ def _recorder(config: BenchConfig, progress_path: str | None, is_cuda: bool, cou
 
 
 # Logged values that are timings or counters of this run's speed, not of what was learned: never compared.
-_TIMING_KEY = re.compile(r"runtime|per_second|_flos$")
+_TIMING_KEY = re.compile(r"runtime|per_second|_flos$|^step_time$")  # step_time: GRPO's and RLOO's
 
 
 def step_metrics(logs: dict[str, Any]) -> dict[str, float]:
@@ -241,9 +251,9 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         raise models.ModelError(
             f"the tokenizer has {len(tok)} tokens but the model's vocabulary is {model.config.vocab_size}"
         )
-    # DPO's frozen reference: the same weights again (TRL would load it from the hub id the config names)
+    # DPO's and KTO's frozen reference: the same weights again (TRL would load it from the hub id the config names)
     ref_model = None
-    if config.trainer_type == "dpo":
+    if config.trainer_type in ("dpo", "kto"):
         ref_model = models.build_model(config.model, config.seq_len, config.seed, config.device, dtype)
     set_seed(config.seed)
     setup_s = time.perf_counter() - t0
@@ -253,8 +263,13 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         torch.cuda.reset_peak_memory_stats()
         allocated_after_setup = torch.cuda.memory_allocated() / 2**20
 
-    counter = RealTokenCounter(model, tok.pad_token_id)
-    recorder = _recorder(config, progress_path, is_cuda, counter)
+    counter = RealTokenCounter(model, tok.pad_token_id, grad_only=config.generates)
+    meter = None
+    if config.generates:
+        from .phases import PhaseMeter
+
+        meter = PhaseMeter(is_cuda)
+    recorder = _recorder(config, progress_path, is_cuda, counter, meter)
     with tempfile.TemporaryDirectory(prefix="fasttrain-bench-") as output_dir:
         if config.trainer_type == "transformers":
             trainer = _transformers_trainer(config, contender, model, tok, examples, output_dir, recorder)
@@ -264,6 +279,8 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
             trainer = trl_runs.build_trainer(
                 config, contender, model, ref_model, tok, examples, output_dir, recorder
             )
+        if meter is not None:
+            meter.install(model)  # after the trainer: the synthetic stand-in (if any) is in place
         trainer_cls = type(trainer)
         trainer.train()
     status = dict(getattr(trainer, "fasttrain_status", None) or {})
@@ -331,6 +348,10 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
             memory_after_setup_mb=rss_after_setup,
             peak_above_setup_mb=peak - rss_after_setup,
         )
+    if meter is not None:
+        from .phases import phase_results
+
+        result.update(phase_results(meter, result, cpu_times, warmup))
     result["python"] = platform.python_version()
     return result
 
