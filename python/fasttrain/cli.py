@@ -19,18 +19,20 @@ import time
 
 from .hot_paths import HotPaths
 
-# Per-device defaults. CPU: sized so that reference + fasttrain, two repetitions each, take a few minutes
-# on 2 cores, on log-normal lengths like instruction data (median 180 tokens, up to 1,024), ungrouped: what
-# most fine-tuning scripts run. CUDA: the Qwen3-0.6B shape in bf16 at sequence length 4,096 on the corpus's
-# natural lengths. "seq_len" is the limit for --lengths natural, "lognormal_seq_len" for --lengths lognormal.
+# Per-device defaults: a released model's shape, Qwen3-0.6B (its LM head ~22% of the matmul FLOPs; the small
+# qwen3-cpu shape, whose head is ~98%, stays available as --model qwen3-cpu). CPU: fp32, log-normal lengths like
+# instruction data (median 180 tokens, up to 512), ungrouped, batches of 2, 4 steps of which 2 warm-up, two
+# repetitions each: about 6 minutes on 2 cores (a step is ~15-20 s there). CUDA: bf16 at sequence length 4,096 on
+# the corpus's natural lengths. "seq_len" is the limit for --lengths natural, "lognormal_seq_len" for
+# --lengths lognormal.
 DEVICE_DEFAULTS = {
     "cpu": {
-        "model": "qwen3-cpu",
+        "model": "qwen3-0.6b",
         "lengths": "lognormal",
         "seq_len": 256,
-        "lognormal_seq_len": 1024,
-        "batch_size": 4,
-        "steps": 12,
+        "lognormal_seq_len": 512,
+        "batch_size": 2,
+        "steps": 4,
         "bf16": False,
     },
     "cuda": {
@@ -43,6 +45,10 @@ DEVICE_DEFAULTS = {
         "bf16": True,
     },
 }
+# TRL's trainers on CPU keep the small shape: DPO and KTO run a reference model beside the policy, GRPO and RLOO
+# generate, and at the Qwen3-0.6B shape a run would take an hour on 2 cores; their results (benchmarks/results/
+# bench_cpu_{sft,dpo,kto,grpo,rloo}.md) name the shape and its LM head's share
+TRL_CPU_DEFAULTS = {"model": "qwen3-cpu", "lognormal_seq_len": 1024, "batch_size": 4, "steps": 12}
 # Steps left out of the timing unless --warmup-steps says otherwise: the first ones compile kernels and warm
 # caches. Never more than --steps minus one, so that a short run still times at least one step.
 DEFAULT_WARMUP_STEPS = 2
@@ -97,7 +103,8 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
         "--model",
         # argparse %-formats help strings: the shapes' percentages need doubling
         help=f"a built-in Qwen3 shape at random init ({shapes.replace('%', '%%')}), a local directory or a hub "
-        "id (default: qwen3-cpu on cpu, qwen3-0.6b on cuda)",
+        "id (default: qwen3-0.6b; on CPU with --trainer sft/dpo/kto/grpo/rloo: qwen3-cpu, a small shape whose LM "
+        "head is ~98%% of its FLOPs)",
     )
     p.add_argument(
         "--dataset",
@@ -265,7 +272,9 @@ def resolve(args: argparse.Namespace):
         raise UsageError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
     trainer_type = args.trainer
     generates = trainer_type in GENERATING_TRAINERS
-    defaults = {**DEVICE_DEFAULTS[device], "grad_accum": 1, "warmup_steps": None}
+    defaults = {"grad_accum": 1, "warmup_steps": None, **DEVICE_DEFAULTS[device]}
+    if device == "cpu" and trainer_type != "transformers":
+        defaults.update(TRL_CPU_DEFAULTS)
     if generates:
         defaults.update(RL_DEFAULTS[device], lognormal_seq_len=RL_DEFAULTS[device]["seq_len"])
     pick = lambda value, key: defaults[key] if value is None else value  # noqa: E731
@@ -432,6 +441,11 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
     config, contenders, repeats = resolve(args)
     for line in announce(config, contenders, repeats):
         print(line, file=sys.stderr)
+    limit = None
+    if config.trainer_type == "transformers":  # the model FLOPs a token costs are known for plain causal LMs
+        from .bench.roofline import measure_matmul_rate
+
+        limit = measure_matmul_rate(config.device, config.threads)
     started = time.perf_counter()
     load_start = _load_average()
     planned = len(contenders) * repeats
@@ -459,6 +473,13 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
                     "max": max(d["max"] for d in during),
                 }
         data["environment"] = report.environment(data)
+        if limit is not None:
+            from .bench.roofline import percent_of_limit
+
+            data["matmul_limit"] = limit
+            for side in [*data.values(), *data.get("ablations", {}).values()]:
+                if isinstance(side, dict) and "tokens_per_s" in side:
+                    side["percent_of_matmul_limit"] = percent_of_limit(side, limit["matmul_flops_per_s"])
         return data
 
     def write_files(data: dict) -> None:

@@ -181,6 +181,8 @@ def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             line(f"peak memory, MB ({LOWER})", "peak_memory_mb", 0, "peak_memory_ratio"),
             line(f"  of which above setup, MB ({LOWER})", "peak_above_setup_mb", 0, "peak_above_setup_ratio"),
         ]
+        if "matmul_limit" in data:
+            table.append(line(f"step at % of its matmul limit ({HIGHER})", "percent_of_matmul_limit", 0))
     table.append(line("final loss", "final_loss", 4))
     diff = ["largest per-step loss diff vs reference (abs / rel)"]
     worst = ["largest per-step metric diff vs reference (rel, metric)"]
@@ -405,8 +407,20 @@ def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
         "that step where it is above 1e-6 in magnitude (nearer zero: absolute only) (every numeric value the Trainer "
         "logs at each step, timings left out)",
         *_share_note(data),
+        *_limit_note(data),
         *_load_note(data),
         *_progress_note(data),
+    ]
+
+
+def _limit_note(data: dict[str, Any]) -> list[str]:
+    limit = data.get("matmul_limit")
+    if not limit:
+        return []
+    return [
+        "matmul limit: the model's FLOPs per trained token (6 x parameters + causal attention, from the shapes) x "
+        f"tokens/s over this machine's GEMM rate, {limit['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s "
+        f"({limit['measured']}, measured at the start): 100% would be a step spent entirely in GEMMs at full speed"
     ]
 
 
