@@ -214,6 +214,14 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
         "--markdown", metavar="PATH", help="write the table as Markdown, with date, machine, versions"
     )
     p.add_argument("--plot", metavar="PATH", help="write a PNG: loss curves, throughput and memory bars")
+    p.add_argument(
+        "--profile",
+        metavar="PATH",
+        help="after the timed runs, one more run per contender that profiles one step after the warm-up "
+        "(torch.profiler, not counted in the figures) and writes to PATH, as Markdown, where that step's time goes: "
+        "matmuls, LM head, attention, optimizer, elementwise and other ops, outside operators, and beside them "
+        "the matmul limit, system CPU time and page faults",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -356,7 +364,12 @@ def resolve(args: argparse.Namespace):
         raise UsageError("--liger: liger_kernel is not installed (pip install liger-kernel)")
     if liger and device != "cuda":
         raise UsageError("--liger needs --device cuda (Liger's Triton kernels do not run on cpu)")
-    for option, path in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
+    for option, path in (
+        ("--json", args.json),
+        ("--markdown", args.markdown),
+        ("--plot", args.plot),
+        ("--profile", args.profile),
+    ):
         _check_output_path(option, path)
     if args.plot:
         from .bench.report import PlotUnavailable, check_plot_available
@@ -497,10 +510,19 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
     )
     data = assemble(results, failures, complete=True)
     print(report.text_table(config, data))
+    if args.profile:
+        from .bench.profile_runs import profile_contenders
+
+        data["profile"] = profile_contenders(config, contenders, failures, limit, argv, args.profile)
     write_files(data)
     if args.plot and report.finished_columns(data):
         report.plot(args.plot, config, data)
-    for option, path in (("json", args.json), ("markdown", args.markdown), ("plot", args.plot)):
+    for option, path in (
+        ("json", args.json),
+        ("markdown", args.markdown),
+        ("plot", args.plot),
+        ("profile", args.profile),
+    ):
         if path:
             print(f"{option}: {path}", file=sys.stderr)
     for name, error in failures.items():

@@ -39,6 +39,8 @@ class BenchConfig:
     num_generations: int = 8
     max_completion_length: int = 512
     completions: str = "sampled"
+    # --profile: this run profiles its last optimizer step (bench/profile.py); its timings are not reported
+    profile: bool = False
 
     @property
     def generates(self) -> bool:

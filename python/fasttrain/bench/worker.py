@@ -106,10 +106,16 @@ class RealTokenCounter:
 
 
 def _recorder(
-    config: BenchConfig, progress_path: str | None, is_cuda: bool, counter: RealTokenCounter, meter=None
+    config: BenchConfig,
+    progress_path: str | None,
+    is_cuda: bool,
+    counter: RealTokenCounter,
+    meter=None,
+    profiler=None,
 ):
     """A TrainerCallback that records every optimizer step: wall time, real tokens seen (``counter``), and
-    every metric logged; and, for GRPO and RLOO, closes each step's phases (``meter``: bench/phases.py)."""
+    every metric logged; for GRPO and RLOO, closes each step's phases (``meter``: bench/phases.py); with
+    ``--profile``, profiles the last step (``profiler``: bench/profile.py)."""
     import torch
     from transformers import TrainerCallback
 
@@ -135,7 +141,14 @@ def _recorder(
             if meter is not None:
                 meter.start()
 
+        def on_step_begin(self, args, state, control, **kwargs):
+            if profiler is not None:
+                self.tokens_before_profile = counter.total()
+                profiler.begin(state.global_step)
+
         def on_step_end(self, args, state, control, **kwargs):
+            if profiler is not None:
+                profiler.end(state.global_step, counter.total() - getattr(self, "tokens_before_profile", 0))
             self.step_end.append(self._now())
             self.step_end_cpu.append(time.process_time())
             self.tokens_seen.append(counter.total())
@@ -269,7 +282,12 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         from .phases import PhaseMeter
 
         meter = PhaseMeter(is_cuda)
-    recorder = _recorder(config, progress_path, is_cuda, counter, meter)
+    profiler = None
+    if config.profile:
+        from .profile import StepProfiler
+
+        profiler = StepProfiler(config.steps, model.config.vocab_size, is_cuda)
+    recorder = _recorder(config, progress_path, is_cuda, counter, meter, profiler)
     with tempfile.TemporaryDirectory(prefix="fasttrain-bench-") as output_dir:
         if config.trainer_type == "transformers":
             trainer = _transformers_trainer(config, contender, model, tok, examples, output_dir, recorder)
@@ -352,6 +370,8 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         from .phases import phase_results
 
         result.update(phase_results(meter, result, cpu_times, warmup))
+    if profiler is not None:
+        result["profile"] = profiler.result()
     result["python"] = platform.python_version()
     return result
 

@@ -1,0 +1,72 @@
+"""The profile runs of ``fasttrain bench --profile PATH``: one per contender, after the timed runs.
+
+Each trains the warm-up steps and one more, the last under the profiler (bench/profile.py), in its own process like
+every bench run; its timings are not the bench's figures (the profiler slows the step it watches). PATH gets the
+table as Markdown with the machine, versions, command and model; the bench's JSON gets the raw breakdowns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import sys
+import tempfile
+from typing import Any
+
+from . import profile, report, runner
+from .config import BenchConfig, Contender
+
+
+def profile_contenders(
+    config: BenchConfig,
+    contenders: list[Contender],
+    failures: dict[str, str],
+    limit: dict[str, Any] | None,
+    argv: list[str],
+    path: str,
+) -> dict[str, Any]:
+    """Profile every contender that did not fail; write ``path``; return what the JSON report keeps."""
+    profiled = dataclasses.replace(config, steps=config.warmup_steps + 1, profile=True)
+    profiles: dict[str, dict[str, Any]] = {}
+    flops: dict[str, float | None] = {}
+    shape = None
+    errors: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="fasttrain-profile-") as workdir:
+        for index, contender in enumerate(c for c in contenders if c.name not in failures):
+            print(f"fasttrain bench: profiling {contender.name} (step {profiled.steps})", file=sys.stderr)
+            try:
+                result = runner.run_one(
+                    profiled, contender, workdir, f"{index:02d}-{contender.name}", lambda _: None
+                )
+            except runner.RunFailed as exc:
+                errors[contender.name] = str(exc)
+                continue
+            if result.get("profile"):
+                profiles[contender.name] = result["profile"]
+                flops[contender.name] = result.get("train_flops_per_token")
+                shape = shape or result.get("model_shape")
+    rate = limit["matmul_flops_per_s"] if limit else None
+    table = profile.markdown(profiles, rate, flops) if profiles else "(no contender could be profiled)\n"
+    env = report.environment({})
+    lines = [
+        "# fasttrain bench --profile",
+        "",
+        f"- date (UTC): {env['date_utc']}",
+        f"- machine: {env['cpu']}, {env['cores']} cores, {env['memory_gib']} GiB",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
+        f"- command: `{shlex.join(['fasttrain', *argv])}`",
+        f"- model {report.model_note(config.model, shape)}; step {profiled.steps} of a run of {profiled.steps} "
+        f"(the first {config.warmup_steps} warm up), each contender in its own process",
+        "",
+        table,
+        f"- {profile.CATEGORY_NOTE}",
+        "- operators' self time on the training thread under torch.profiler (record_shapes); the profiler slows "
+        "the step it watches, so these step times are not the bench's figures",
+    ]
+    if limit:
+        lines.append(f"- matmul limit: {limit['measured']}, {limit['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s")
+    for name, error in errors.items():
+        lines.append(f"- {name}: not profiled: {error.splitlines()[0]}")
+    report.write_text(path, "\n".join(lines) + "\n")
+    print(table)
+    return {"profiles": profiles, "errors": errors, "steps": profiled.steps}
