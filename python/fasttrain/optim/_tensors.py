@@ -22,6 +22,26 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
+def like_param(t: torch.Tensor, param: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """``t`` (this rank's part of a state of global ``shape``, whose dim 0 is the parameter's) as a DTensor on
+    ``param``'s mesh with its placements. The global shape and strides are given, not inferred: FSDP2's shards
+    of dim 0 may be uneven (``torch.chunk``'s split: the last ranks own fewer rows, or none)."""
+    shape = tuple(shape)
+    stride = []
+    step = 1
+    for d in reversed(shape):
+        stride.append(step)
+        step *= max(d, 1)
+    return DTensor.from_local(
+        t,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=tuple(reversed(stride)),
+    )
+
+
 def group_by(items: Iterable[Any], key) -> dict[Hashable, list[Any]]:
     """Items bucketed by ``key(item)``, buckets and items in first-seen order (as torch's grouping)."""
     out: dict[Hashable, list[Any]] = {}

@@ -32,6 +32,11 @@ at a time; under ZeRO-3 the groups are empty outside ``step()``), after the engi
 ``state_dtype="8bit"`` quantizes whole partitions (``min_8bit_size`` applies to a partition, not to each
 parameter), and ``bf16_stochastic_rounding`` would have nothing to round: the Trainer integration refuses it.
 
+Under FSDP2 (DTensor parameters, full or hybrid shard, CPU offload) each rank steps its own shard; with
+``state_dtype="8bit"`` it quantizes the rows it owns in row blocks, kept as DTensors placed like the parameter,
+so that torch.distributed.checkpoint reshards them to another world size or mesh (``_state`` says how the blocks
+relate to the shards; 1-D parameters keep fp32 moments there).
+
 Nothing about the parameters is cached at construction: state is created lazily in ``step()`` and the launch
 tables are keyed on the tensors' addresses, because FSDP2 swaps parameters for DTensor shards after the
 optimizer exists and Accelerate round-trips ``state_dict`` when it prepares it.
@@ -349,7 +354,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 self._check_dense(p, gi, j)
-                lay = _state.init(self.state[p], group, p, where)
+                lay = _state.init(self.state[p], group, p, f"{where}, parameter {j}")
                 entries.append((p, salt_base + j, lay, self._uses_triton(group, p, lay)))
             salt_base += len(group["params"])
             if not entries:
@@ -371,6 +376,13 @@ class FusedAdamW(torch.optim.Optimizer):
         if self._backend_for(group, g.device) != "triton":
             return False
         state = self.state[p]
+        if lay == "8bit" and not _state.flat_blocks(state):
+            log_once(
+                "fused_adamw.triton_row_blocks",
+                "FusedAdamW: 8-bit moments of a DTensor parameter whose rows are not a multiple of 256 elements "
+                "(row blocks, not the Triton kernel's flat blocks): its parameter is updated by torch's fused AdamW",
+            )
+            return False
         return self._triton_ok(
             [local(p), g, *(local(state[n]) for n in _state.moments(state, lay, group["amsgrad"]))]
         )

@@ -17,6 +17,13 @@ as the number of midpoints between consecutive entries that are ``<= x / absmax`
 an 8-step branchless binary search over the same midpoint table in the Triton kernel, so both backends pick
 the same code for the same fp32 input.
 
+Row blocks (the layout of FSDP2 / DTensor shards, see ``fasttrain.optim._state``): ``absmax`` may instead be 2-D,
+``[rows, ceil(cols / BLOCK)]`` for a tensor seen as ``[rows, cols]`` (dim 0 by the product of the others): each row
+is cut into blocks of ``BLOCK`` on its own (its last block partial when ``cols % BLOCK != 0``), so a block never
+spans two rows, and a shard of whole rows holds whole blocks. When ``cols % BLOCK == 0`` these are exactly the flat
+blocks above (the same codes and absmax values, in memory order). The functions here tell the layouts apart by
+``absmax.dim()``.
+
 Tensors smaller than ``MIN_8BIT_SIZE = 4096`` elements (norm weights, biases) keep fp32 moments, as
 bitsandbytes (``min_8bit_size=4096``) and torchao do: they are a negligible share of the memory, and the
 precision of a norm's scale matters more than its bytes.
@@ -74,36 +81,76 @@ def n_blocks(numel: int) -> int:
     return -(-numel // BLOCK)
 
 
-def empty_state(param: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, absmax) of an all-zero moment for ``param``."""
+def row_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    """``(rows, cols)``: a tensor of ``shape`` seen as rows along dim 0 (a 1-D tensor has rows of one element)."""
+    rows = shape[0] if len(shape) else 1
+    cols = 1
+    for d in shape[1:]:
+        cols *= d
+    return rows, cols
+
+
+def empty_state(param: torch.Tensor, signed: bool, rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, absmax) of an all-zero moment for ``param`` (a plain tensor); ``rows``: row blocks."""
     codes = torch.full(param.shape, zero_code(signed), dtype=torch.uint8, device=param.device)
-    absmax = torch.zeros(n_blocks(param.numel()), dtype=torch.float32, device=param.device)
-    return codes, absmax
+    if rows:
+        n_rows, cols = row_shape(param.shape)
+        absmax_shape: tuple[int, ...] = (n_rows, n_blocks(cols))
+    else:
+        absmax_shape = (n_blocks(param.numel()),)
+    return codes, torch.zeros(absmax_shape, dtype=torch.float32, device=param.device)
 
 
-def _blocks(x: torch.Tensor) -> torch.Tensor:
-    """``x`` flattened and zero-padded to whole blocks: ``[n_blocks, BLOCK]``."""
-    flat = x.reshape(-1)
-    pad = (-flat.numel()) % BLOCK
+def _blocks(x: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """``x`` zero-padded to whole blocks of ``absmax``'s layout: ``[absmax.numel(), BLOCK]``."""
+    if absmax.dim() == 2:
+        rows, cols = row_shape(x.shape)
+        flat = x.reshape(rows, cols)
+        pad = absmax.shape[1] * BLOCK - cols
+    else:
+        flat = x.reshape(-1)
+        pad = (-flat.numel()) % BLOCK
     if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat.view(-1, BLOCK)
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return flat.reshape(-1, BLOCK)
+
+
+def _unblock(blocks: torch.Tensor, absmax: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The inverse of ``_blocks``: the padding dropped, ``shape`` restored."""
+    if absmax.dim() == 2:
+        rows, cols = row_shape(shape)
+        # contiguous: torch's fused AdamW steps these working tensors in place, and needs them dense
+        return blocks.reshape(rows, absmax.shape[1] * BLOCK)[:, :cols].contiguous().reshape(shape)
+    n = 1
+    for d in shape:
+        n *= d
+    return blocks.reshape(-1)[:n].reshape(shape)
+
+
+def check_layout(codes: torch.Tensor, absmax: torch.Tensor) -> str | None:
+    """Why ``absmax`` is not a block layout of ``codes`` (flat or rows), or None when it is."""
+    rows, cols = row_shape(codes.shape)
+    flat = (n_blocks(codes.numel()),)
+    by_rows = (rows, n_blocks(cols))
+    if tuple(absmax.shape) in (flat, by_rows):
+        return None
+    return f"absmax of shape {tuple(absmax.shape)} for codes of shape {tuple(codes.shape)} (expected {flat} or {by_rows})"
 
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool, dtype=torch.float32) -> torch.Tensor:
     """The moment as a ``dtype`` tensor of ``codes``' shape."""
     qmap = tables(codes.device)[SIGNED if signed else UNSIGNED]
-    values = qmap[_blocks(codes).long()] * absmax[:, None]
-    return values.reshape(-1)[: codes.numel()].view(codes.shape).to(dtype)
+    values = qmap[_blocks(codes, absmax).long()] * absmax.reshape(-1, 1)
+    return _unblock(values, absmax, codes.shape).to(dtype)
 
 
 def quantize_(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> None:
     """Write the codes and block absmax of ``x`` (any float dtype, ``codes``' shape) into ``codes`` and ``absmax``."""
     t = tables(x.device)
     mids = t[(SIGNED if signed else UNSIGNED) + 1, :-1]
-    blocks = _blocks(x.float())
+    blocks = _blocks(x.float(), absmax)
     amax = blocks.abs().amax(dim=1)
     inv = torch.where(amax > 0, 1.0 / amax, 0.0)
     new_codes = torch.bucketize(blocks * inv[:, None], mids, out_int32=True, right=True)
-    codes.view(-1).copy_(new_codes.reshape(-1)[: codes.numel()])
-    absmax.copy_(amax)
+    codes.copy_(_unblock(new_codes, absmax, codes.shape))
+    absmax.copy_(amax.view(absmax.shape))

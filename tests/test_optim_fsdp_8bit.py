@@ -1,0 +1,99 @@
+"""FusedAdamW's states on FSDP2 shards (gloo, CPU): 8-bit moments per shard, and checkpoints that reshard.
+
+Three launches of tests/_fsdp_8bit_worker.py, in order (each a list of jobs, see the worker):
+
+1. 2 processes, full shard: 8-bit updates against the unsharded optimizer (torch and Triton backends, and with
+   FSDP2's CPU offload policy); checkpoints saved for state_dtype None, float32 and 8bit.
+2. 4 processes: 8-bit updates on a hybrid 2 x 2 mesh; launch 1's checkpoints loaded on a full 4-way mesh and on
+   the hybrid mesh (2 -> 4, full -> hybrid); checkpoints saved on both meshes.
+3. 2 processes: launch 2's checkpoints loaded on a full 2-way mesh (4 -> 2, hybrid -> full), the hybrid one with
+   the CPU offload policy.
+
+A loaded state must be the saved one value for value, sharded like its parameter on the new mesh, and the steps
+after it must track the uninterrupted unsharded run within the bound of the state type.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.distributed
+
+WORKER = Path(__file__).with_name("_fsdp_8bit_worker.py")
+
+
+def launch(tmp_path: Path, name: str, world: int, jobs: list[dict]) -> None:
+    init_file = tmp_path / f"rendezvous-{name}"
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU: FSDP2 would otherwise put shards on a GPU
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(rank), str(world), str(init_file), json.dumps(jobs)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=300)
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    failed = [
+        (rank, out) for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)) if proc.returncode
+    ]
+    # every failed rank's end: the first error may be on any rank, the others then lose their peers
+    assert not failed, "\n".join(f"{name}, rank {rank} failed:\n{out[-3000:]}" for rank, out in failed)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
+def test_fsdp2_8bit_updates_and_checkpoints_that_reshard(tmp_path):
+    ckpt = {name: str(tmp_path / name) for name in ("full2", "full4", "hybrid4")}
+    launch(
+        tmp_path,
+        "two",
+        2,
+        [
+            {"do": "update", "mesh": "full", "backends": ["torch", "triton"]},
+            {"do": "update", "mesh": "offload", "backends": ["torch"]},
+            {"do": "save", "mesh": "full", "dir": ckpt["full2"]},
+        ],
+    )
+    launch(
+        tmp_path,
+        "four",
+        4,
+        [
+            {"do": "update", "mesh": "hybrid", "backends": ["torch"]},
+            {"do": "load", "mesh": "full", "dir": ckpt["full2"]},
+            {"do": "load", "mesh": "hybrid", "dir": ckpt["full2"]},
+            {"do": "save", "mesh": "full", "dir": ckpt["full4"]},
+            {"do": "save", "mesh": "hybrid", "dir": ckpt["hybrid4"]},
+        ],
+    )
+    launch(
+        tmp_path,
+        "two-again",
+        2,
+        [
+            {"do": "load", "mesh": "full", "dir": ckpt["full4"]},
+            {"do": "load", "mesh": "offload", "dir": ckpt["hybrid4"]},
+        ],
+    )
