@@ -23,7 +23,8 @@ Runs, one after the other in the same processes (one launch):
 
 - ``truth``: plain transformers in float64; ``reference``: plain transformers in float32;
 - ``fasttrain``: the same float32 script under ``fasttrain.patch()``;
-- ``fasttrain-8bit``: ``fasttrain`` with ``optim_args="state_dtype=8bit"``;
+- ``fasttrain-8bit-save`` / ``fasttrain-8bit-resume``: ``fasttrain-save`` / ``-resume`` with
+  ``optim_args="state_dtype=8bit"`` (8-bit moments on the DTensor shards, in the sharded checkpoint);
 - ``fasttrain-offload`` / ``reference-offload``: FSDP2's CPU offload policy (``fsdp_config={"cpu_offload": True}``);
 - ``truth-tied``, ``reference-tied``, ``fasttrain-tied``: the first three with lm_head tied to the embedding;
 - ``fasttrain-save`` / ``fasttrain-resume``: sharded checkpoints (SHARDED_STATE_DICT) at step SAVE_STEP, then
@@ -79,7 +80,8 @@ RUNS = {
     "truth": _run(patched=False, dtype=torch.float64),
     "reference": _run(patched=False),
     "fasttrain": _run(),
-    "fasttrain-8bit": _run(optim_args="state_dtype=8bit"),
+    "fasttrain-8bit-save": _run(optim_args="state_dtype=8bit", save=True),
+    "fasttrain-8bit-resume": _run(optim_args="state_dtype=8bit", resume=True),  # after fasttrain-8bit-save
     "reference-offload": _run(patched=False, offload=True),
     "fasttrain-offload": _run(offload=True),
     "fasttrain-save": _run(save=True),
@@ -243,6 +245,7 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
         "unshards_by_group": counter.by_group,
         "param_types": sorted({type(p).__name__ for p in params}),
         "state_types": sorted({type(v).__name__ for s in inner.state.values() for v in s.values()}),
+        "state_keys": sorted({f"{k}:{str(v.dtype)[6:]}" for s in inner.state.values() for k, v in s.items()}),
         "weights_device": str(next(trainer.model.parameters()).device),
         "offload_policy": type(trainer.accelerator.state.fsdp_plugin.cpu_offload).__name__,
         "mesh": _mesh(params),
