@@ -97,3 +97,56 @@ def test_fsdp2_8bit_updates_and_checkpoints_that_reshard(tmp_path):
             {"do": "load", "mesh": "offload", "dir": ckpt["hybrid4"]},
         ],
     )
+
+
+# -- single process: the row-block layout itself ---------------------------------------------------------------
+
+
+def test_row_blocks_of_rows_of_256_are_the_flat_blocks():
+    from fasttrain.optim import blockwise8
+
+    x = torch.randn(6, 512) * torch.logspace(-3, 1, 6)[:, None]
+    for signed in (True, False):
+        y = x if signed else x.abs()
+        flat, rows = blockwise8.empty_state(y, signed), blockwise8.empty_state(y, signed, rows=True)
+        assert rows[1].shape == (6, 2)
+        blockwise8.quantize_(y, *flat, signed)
+        blockwise8.quantize_(y, *rows, signed)
+        assert torch.equal(flat[0], rows[0]) and torch.equal(flat[1], rows[1].reshape(-1))
+        assert torch.equal(blockwise8.dequantize(*flat, signed), blockwise8.dequantize(*rows, signed))
+
+
+def test_row_blocks_end_with_each_row():
+    from fasttrain.optim import blockwise8
+
+    x = torch.randn(7, 3, 100)  # rows of 300: a block of 256 and one of 44 per row
+    codes, absmax = blockwise8.empty_state(x, True, rows=True)
+    assert absmax.shape == (7, 2)
+    blockwise8.quantize_(x, codes, absmax, True)
+    rows = x.reshape(7, 300).abs()
+    assert torch.equal(absmax, torch.stack([rows[:, :256].amax(1), rows[:, 256:].amax(1)], dim=1))
+    y = blockwise8.dequantize(codes, absmax, True)
+    assert y.shape == x.shape and y.is_contiguous()
+    # each value within half the widest gap of the signed map (relative to its block's absmax, top decade)
+    assert (
+        (y - x).abs().reshape(7, 300) <= 0.08 * absmax.repeat_interleave(torch.tensor([256, 44]), dim=1)
+    ).all()
+    empty = torch.empty(0, 300)  # a rank that owns no rows
+    codes, absmax = blockwise8.empty_state(empty, True, rows=True)
+    blockwise8.quantize_(empty, codes, absmax, True)
+    assert absmax.shape == (0, 2) and blockwise8.dequantize(codes, absmax, True).shape == (0, 300)
+
+
+def test_saved_8bit_blocks_of_another_shape_refused():
+    from fasttrain import FusedAdamW
+
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    opt = FusedAdamW([p], backend="torch", state_dtype="8bit")
+    p.grad = torch.randn(64, 64)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg_sq_absmax"] = torch.zeros(3)
+    with pytest.raises(
+        ValueError, match=r"param group 0, parameter 0: .*exp_avg_sq_codes / exp_avg_sq_absmax"
+    ):
+        FusedAdamW([p], backend="torch", state_dtype="8bit").load_state_dict(sd)
