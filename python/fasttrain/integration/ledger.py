@@ -27,6 +27,9 @@ class Seam:
         self.trainer = weakref.ref(trainer)
         self.fallbacks: set[str] = set()  # paths the user wanted that could not run
         self.notes: list[str] = []  # warnings about the run itself, repeated in the status line
+        self.others: list[
+            str
+        ] = []  # what another library serves in this run (Liger), said in the status line
         self.logged = False  # the status line was written
         self.deepspeed: dict[str, Any] | None = (
             None  # the DeepSpeed config, when the trainer runs under DeepSpeed

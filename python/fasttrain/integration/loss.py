@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from . import loss_trl
+from . import liger, loss_trl
 from .ledger import NOT_RUN, Seam
 from .trainer_api import is_trl_trainer, override, overriding_class
 
@@ -37,6 +37,7 @@ def arm(trainer: Any, seam: Seam) -> None:
         enabled = _enable(seam, trainer.model) is not None or enabled
     if enabled:
         override(trainer, "prediction_step", _prediction_step)
+        liger.arm(trainer)
 
 
 def _enable(seam: Seam, model: Any) -> Any:
@@ -74,6 +75,12 @@ def _prediction_step(
 
 
 def verdict(seam: Seam, trainer: Any, optimizer: Any) -> None:
+    _verdict(seam, trainer)
+    if not is_trl_trainer(trainer):
+        liger.say_who_serves_what(seam, trainer)
+
+
+def _verdict(seam: Seam, trainer: Any) -> None:
     if seam.status["loss"] != NOT_RUN:
         return
     if is_trl_trainer(trainer):

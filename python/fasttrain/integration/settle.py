@@ -57,6 +57,8 @@ def settle(seam: Seam, optimizer: Any) -> None:
         path.verdict(seam, trainer, optimizer)
     seam.logged = True
     line = ", ".join(f"{name}={value}" for name, value in seam.status.items())
+    if seam.others:
+        line += "; " + "; ".join(seam.others)
     if seam.notes:
         line += "; " + "; ".join(f"WARNING: {note}" for note in seam.notes)
     level = logging.WARNING if seam.fallbacks or seam.notes else logging.INFO

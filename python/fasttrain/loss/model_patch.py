@@ -255,6 +255,31 @@ def enable_fused_loss(model: nn.Module) -> str | None:
     return None
 
 
+def wrap_again_if_replaced(model: nn.Module) -> bool:
+    """Put the fused forward back on top when something replaced it after ``enable_fused_loss`` (the Trainer's
+    ``use_liger_kernel=True`` installs Liger's fused-linear-cross-entropy forward on the instance when training
+    starts). The replacement becomes the original forward (the path for calls without labels); the fused path
+    runs the backbone, so layer kernels patched into it stay. True when it wrapped again."""
+    target = find_causal_lm(model)
+    state = target.__dict__.get(_STATE_ATTR)
+    current = target.__dict__.get("forward")
+    if (
+        state is None
+        or current is None
+        or getattr(getattr(current, "__func__", None), "_fasttrain_fused", False)
+    ):
+        return False
+    signature = inspect.signature(current)
+    state.original_forward = current
+    state.instance_forward = current
+    state.signature = signature
+    state.var_kwargs_name = next(
+        (p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
+    )
+    target.forward = types.MethodType(_bound_wrapper(current), target)
+    return True
+
+
 def _bound_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(getattr(original, "__func__", original))
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
