@@ -10,6 +10,11 @@ reference and fasttrain alternating, medians over rounds:
   4 x 1,024 tokens with labels. Reference: the unpatched transformers model; ours: the same model
   after ``fasttrain.loss.model_patch.enable_fused_loss``.
 
+- ``head``: the LM head of the Qwen3-0.6B shape, loss + backward at ``--tokens`` x hidden 1,024 x vocab 151,936
+  (fp32), three ways: ``gemms`` (its three GEMMs alone: logits, the hidden states' gradient, the weight's gradient,
+  each into a fresh output as in a step: the floor any head implementation stands on), ``reference``
+  (materialised logits and transformers' loss) and ``fasttrain``.
+
 - ``trl_sft`` / ``trl_dpo``: TRL's fused LM-head contract (``model(..., fused_lm_head=True)``), loss +
   backward at 2,048 tokens x hidden 512 x vocab 151,936 (fp32), three ways: ``plain`` (materialised logits,
   ``log_softmax``), ``trl`` (TRL's ``ChunkedLogProbFunction``, its chunked torch path on CPU) and
@@ -24,6 +29,7 @@ warm-up step), then the median over rounds.
     python benchmarks/bench_loss.py                 # writes benchmarks/results/loss_cpu.{json,md}
     python benchmarks/bench_loss.py --rounds 1 --tokens 256   # quick look
     python benchmarks/bench_loss.py --cases trl_sft,trl_dpo --tokens 2048 --name loss_trl_cpu
+    python benchmarks/bench_loss.py --cases head --tokens 460 --name head_gemms_cpu
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ VOCAB = 151_936
 IMPLS = {
     "loss": ("reference", "fasttrain"),
     "model": ("reference", "fasttrain"),
+    "head": ("gemms", "reference", "fasttrain"),
     "trl_sft": ("plain", "trl", "fasttrain"),
     "trl_dpo": ("plain", "trl", "fasttrain"),
 }
@@ -67,6 +74,8 @@ def _child(case: str, impl: str, steps: int, tokens: int) -> None:
     baseline = _rss_bytes()
     if case == "loss":
         step = _loss_step(impl, tokens)
+    elif case == "head":
+        step = _head_step(impl, tokens)
     elif case == "model":
         step = _model_step(impl, tokens)
     else:
@@ -97,6 +106,35 @@ def _loss_step(impl: str, tokens: int):
         if impl == "reference":
             logits = hidden @ weight.t()
             loss = fixed_cross_entropy(logits.float(), labels)  # what ForCausalLMLoss runs after its shift
+        else:
+            loss = fused_linear_cross_entropy(hidden, weight, labels)
+        loss.backward()
+        return float(loss)
+
+    return step
+
+
+def _head_step(impl: str, tokens: int, width: int = 1024):
+    import torch
+    from transformers.loss.loss_utils import fixed_cross_entropy
+
+    from fasttrain import fused_linear_cross_entropy
+
+    hidden = torch.randn(tokens, width, requires_grad=True)
+    weight = torch.randn(VOCAB, width).mul_(0.02).requires_grad_()
+    labels = torch.randint(0, VOCAB, (tokens,))
+    upstream = torch.randn(tokens, VOCAB).mul_(1e-6) if impl == "gemms" else None
+
+    def step() -> float:
+        hidden.grad = weight.grad = None
+        if impl == "gemms":
+            with torch.no_grad():
+                logits = hidden @ weight.t()
+                grad_hidden = upstream @ weight
+                grad_weight = upstream.t() @ hidden
+            return float(logits[0, 0] + grad_hidden[0, 0] + grad_weight[0, 0])
+        if impl == "reference":
+            loss = fixed_cross_entropy((hidden @ weight.t()).float(), labels)
         else:
             loss = fused_linear_cross_entropy(hidden, weight, labels)
         loss.backward()
@@ -199,7 +237,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--child", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
-    parser.add_argument("--cases", default="loss,model", help="comma-separated: loss, model")
+    parser.add_argument("--cases", default="loss,model", help="comma-separated: loss, model, head, trl_sft, trl_dpo")
     parser.add_argument("--rounds", type=int, default=3, help="alternating reference/fasttrain rounds")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per child (after one warm-up)")
     parser.add_argument("--tokens", type=int, default=4096)
@@ -252,6 +290,7 @@ def main() -> None:
 CASE_TITLES = {
     "loss": "loss + backward, {tokens} tokens x hidden 512 x vocab 151,936 (fp32)",
     "model": "Qwen3-shaped model (hidden 256, 2 layers, vocab 151,936), 4 x {seq} tokens, forward + backward (fp32)",
+    "head": "LM head of the Qwen3-0.6B shape, loss + backward, {tokens} tokens x 1,024 x 151,936 (fp32)",
     "trl_sft": "TRL SFT head (log-probs, entropy, top-1; -sum/n), {tokens} tokens x 512 x 151,936 (fp32)",
     "trl_dpo": "TRL DPO head (+ mean logits; sigmoid loss, 8 sequences), {tokens} tokens x 512 x 151,936 (fp32)",
 }
@@ -287,7 +326,17 @@ def _markdown(record: dict) -> str:
                 f"{r['speedup']:.2f}x |"
             )
         lines.append("")
-    triples = {c: r for c, r in cases.items() if len(IMPLS[c]) == 3}
+    if "head" in cases:
+        r = cases["head"]
+        lines += [
+            "| case | its three GEMMs alone | reference (materialised logits) | fasttrain | fasttrain / GEMMs |",
+            "| --- | ---: | ---: | ---: | ---: |",
+            f"| {CASE_TITLES['head'].format(tokens=s['tokens'])} | "
+            + " | ".join(f"{r[i]['time_s']:.2f} s, {r[i]['peak_mib']:,.0f} MiB" for i in IMPLS["head"])
+            + f" | {r['fasttrain']['time_s'] / r['gemms']['time_s']:.2f}x |",
+            "",
+        ]
+    triples = {c: r for c, r in cases.items() if len(IMPLS[c]) == 3 and c != "head"}
     if triples:
         lines += [
             "| case | plain logits | TRL chunked | fasttrain | speed-up vs TRL | memory ratio vs TRL "
