@@ -237,7 +237,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--child", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
-    parser.add_argument("--cases", default="loss,model", help="comma-separated: loss, model, head, trl_sft, trl_dpo")
+    parser.add_argument(
+        "--cases", default="loss,model", help="comma-separated: loss, model, head, trl_sft, trl_dpo"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternating reference/fasttrain rounds")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per child (after one warm-up)")
     parser.add_argument("--tokens", type=int, default=4096)
