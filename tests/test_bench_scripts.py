@@ -92,3 +92,23 @@ def test_word_level_tokenizer_pads_with_id_0():
     tok = common.word_level_tokenizer(16)
     assert tok.pad_token_id == 0 and len(tok) == 16
     assert tok("t3 t5")["input_ids"] == [3, 5]
+
+
+def test_the_head_case_times_the_same_loss_and_its_three_gemms():
+    """bench_loss.py --cases head: the reference and fasttrain steps compute the same loss; the GEMM floor runs."""
+    import torch
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_loss", BENCHMARKS / "bench_loss.py")
+        bench_loss = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench_loss)
+        losses = {}
+        for impl in bench_loss.IMPLS["head"]:
+            torch.manual_seed(0)
+            losses[impl] = bench_loss._head_step(impl, tokens=3, width=8)()
+            gc.collect()
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    assert losses["fasttrain"] == pytest.approx(losses["reference"], rel=1e-5)
+    assert abs(losses["gemms"]) < 1.0  # a logit of 8 small weights and two tiny gradients
