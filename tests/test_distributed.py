@@ -31,8 +31,18 @@ EPOCHS = 2
 def _launch(launcher: list[str], out: Path, trainer: str, *extra: str) -> list[dict]:
     """``launcher`` ends with the training script's path."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [*launcher, str(out), "--trainer", trainer, "--group-by-length", "--epochs", str(EPOCHS),
-           "--rows", str(ROWS), *extra]
+    cmd = [
+        *launcher,
+        str(out),
+        "--trainer",
+        trainer,
+        "--group-by-length",
+        "--epochs",
+        str(EPOCHS),
+        "--rows",
+        str(ROWS),
+        *extra,
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(2)]
@@ -46,8 +56,16 @@ def _free_port() -> str:
 
 
 def _torchrun() -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
-            str(SCRIPT)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        _free_port(),
+        str(SCRIPT),
+    ]
 
 
 def _check(results: list[dict], reference: tuple[list[dict], list[dict]] | None) -> None:
@@ -63,8 +81,14 @@ def _check(results: list[dict], reference: tuple[list[dict], list[dict]] | None)
         assert results[0]["status"][path] == "on", (path, results[0]["status"])
     if reference is not None:
         ref, truth = reference
-        _truth.assert_logs_near_truth(results[0]["logs"], ref[0]["logs"], truth[0]["logs"], _truth.FP32_STEP,
-                                      keys=("loss", "grad_norm"), abs_floor={"loss": tiny.LOGGED_LOSS_ABS})
+        _truth.assert_logs_near_truth(
+            results[0]["logs"],
+            ref[0]["logs"],
+            truth[0]["logs"],
+            _truth.FP32_STEP,
+            keys=("loss", "grad_norm"),
+            abs_floor={"loss": tiny.LOGGED_LOSS_ABS},
+        )
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +106,22 @@ def test_ddp_accelerate_launch(tmp_path, reference_run):
     accelerate = shutil.which("accelerate") or str(Path(sys.executable).with_name("accelerate"))
     # `accelerate launch --cpu` starts several CPU processes only through mpirun; --multi_gpu uses
     # torch.distributed.run, and the script's use_cpu=True makes each process a gloo CPU rank.
-    launcher = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", _free_port(),
-                str(SCRIPT)]
+    launcher = [
+        accelerate,
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        _free_port(),
+        str(SCRIPT),
+    ]
     _check(_launch(launcher, tmp_path, "fasttrain"), reference_run)
 
 
