@@ -11,7 +11,8 @@ Runs, one after the other in the same processes (one launch, one DeepSpeed start
 - ``fasttrain-ds-optimizer``: the same with an ``optimizer`` section in the DeepSpeed config (torch's AdamW);
 - ``fasttrain-8bit``: ``fasttrain`` with ``optim_args="state_dtype=8bit"``;
 - ``fasttrain-save`` / ``fasttrain-resume``: ``fasttrain`` saving a checkpoint at step 4, then resuming from it
-  (``reference-save`` / ``reference-resume``: the same without fasttrain);
+  (``reference-save`` / ``reference-resume``: the same without fasttrain; ``fasttrain-8bit-save`` /
+  ``fasttrain-8bit-resume``: the same with 8-bit moments);
 - ``truth-tied``, ``reference-tied``, ``fasttrain-tied``: the same three with lm_head tied to the embedding.
 
 Each writes OUT/<run>-rank<R>.json: the logged loss and grad_norm per step, the rows each rank trained on per
@@ -125,6 +126,8 @@ RUNS = {
     "fasttrain-stochastic-rounding": _run(optim_args="bf16_stochastic_rounding=true"),  # refused under ZeRO
     "fasttrain-save": _run(save=True),
     "fasttrain-resume": _run(resume=True),  # after fasttrain-save, in the same launch
+    "fasttrain-8bit-save": _run(optim_args="state_dtype=8bit", save=True),
+    "fasttrain-8bit-resume": _run(optim_args="state_dtype=8bit", resume=True),  # after fasttrain-8bit-save
     # lm_head tied to the input embedding: under ZeRO-3 the fused loss gathers the embedding's weight
     "truth-tied": _run(patched=False, dtype=torch.float64, tied=True),
     "reference-tied": _run(patched=False, tied=True),
