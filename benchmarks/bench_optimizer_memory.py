@@ -449,8 +449,25 @@ def _markdown(env: dict, rows: list[dict], cells: list[dict], a) -> str:
         " `8bit` quantizes whole partitions.",
         "- FSDP2 with 8-bit: 1-D parameters (the RMSNorm weights) keep fp32 moments on shards; tensors below"
         " `min_8bit_size` (4,096 elements) keep fp32 moments everywhere.",
+        "- What each engine's optimizer stepped (rank 0, FusedAdamW 8bit cell; the wrapper is the model's under"
+        " DDP/FSDP2, the ZeRO optimizer's under DeepSpeed), and the seconds of the slowest cell of the row"
+        " (model build, engine set-up, step):",
+        "",
+        *[_stepped_line(row) for row in rows],
     ]
     return "\n".join(lines) + "\n"
+
+
+def _stepped_line(row: dict) -> str:
+    c = row["cells"].get("8bit") or next(iter(row["cells"].values()))
+    slowest = max((x["seconds"] for x in row["cells"].values() if "seconds" in x), default=float("nan"))
+    if "error" in c:
+        return f"  - {ENGINE_NAMES[row['engine']]}, {row['world']} processes: {c['error'].splitlines()[0]}"
+    return (
+        f"  - {ENGINE_NAMES[row['engine']]}, {row['world']} processes: {c['stepped_max_rank']:,} elements of"
+        f" {'/'.join(c['stepped_param_dtypes'])} a rank (at most), wrapped by {c['wrapped_by']}; state dtypes"
+        f" {'/'.join(c['state_dtypes'])}; slowest cell {slowest:.1f} s"
+    )
 
 
 def main() -> None:
@@ -467,11 +484,24 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=int, default=600, help="seconds a launch may take")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument(
+        "--render", metavar="JSON", help="only rewrite the .md beside a results .json from its data"
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out-file", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         worker(a)
+        return
+    if a.render:
+        saved = json.loads(Path(a.render).read_text())
+        md = Path(a.render).with_suffix(".md")
+        md.write_text(
+            _markdown(
+                saved["environment"], saved["summary"], saved["cells"], argparse.Namespace(**saved["args"])
+            )
+        )
+        print(f"wrote {md}")
         return
     engines = a.engines.split(",")
     unknown = set(engines) - set(ENGINES) or set(a.optimizers.split(",")) - set(OPTIMIZERS)
