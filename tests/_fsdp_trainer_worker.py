@@ -29,6 +29,14 @@ Runs, one after the other in the same processes (one launch):
 - ``truth-tied``, ``reference-tied``, ``fasttrain-tied``: the first three with lm_head tied to the embedding;
 - ``fasttrain-save`` / ``fasttrain-resume``: sharded checkpoints (SHARDED_STATE_DICT) at step SAVE_STEP, then
   resumed from it.
+- ``reshard-<layout>-<state>`` and ``reshard-<layout>-<state>-from-<source>``: a sharded checkpoint resumed at
+  another world size or mesh. The layouts are ``full2`` (full shard, 2 processes), ``full4`` (4) and ``hybrid4``
+  (a 2 x 2 mesh, 4 processes); the states FusedAdamW's ``state_dtype``s (``param``: None, ``float32``,
+  ``8bit``). ``reshard-<layout>-<state>`` trains RESHARD_STEPS steps uninterrupted and saves at
+  RESHARD_SAVE_STEP; ``...-from-<source>`` resumes at <layout> from ``reshard-<source>-<state>``'s checkpoint
+  (in the same OUT, written by an earlier launch of the source's world size). All keep the global batch: 8 rows
+  per micro-step over the ranks (2 x 4 or 4 x 2), 2 accumulation steps, random order (no length grouping), so
+  every layout trains on the same examples at each optimizer step.
 
 Each writes OUT/<run>-rank<R>.json: the logged loss and grad_norm per step, the rows each rank trained on per
 epoch, the hot-path status, and detectors (FSDP2 unshards of the lm_head's group per forward, lm_head calls, the
@@ -38,6 +46,7 @@ optimizer's class, state and parameter types). A run that raises writes its erro
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 from pathlib import Path
 
@@ -52,6 +61,16 @@ import _tiny as tiny  # beside this file: a script's own directory is on sys.pat
 import fasttrain
 
 SAVE_STEP = 4  # the -save runs checkpoint here; the -resume runs resume from it
+# the reshard- runs: RESHARD_STEPS optimizer steps, a checkpoint at RESHARD_SAVE_STEP; the loss of step
+# RESHARD_SAVE_STEP + 2 is the first to depend on the loaded optimizer state (step + 1's is the loaded weights')
+RESHARD_STEPS = 4
+RESHARD_SAVE_STEP = 2
+RESHARD_GLOBAL_BATCH = 8  # rows per micro-step over all ranks
+RESHARD_ACCUMULATION = 2
+RESHARD_ROWS = RESHARD_STEPS * RESHARD_GLOBAL_BATCH * RESHARD_ACCUMULATION  # one epoch
+# layout -> (processes, hybrid)
+LAYOUTS = {"full2": (2, False), "full4": (4, False), "hybrid4": (4, True)}
+STATE_DTYPES = ("param", "float32", "8bit")  # FusedAdamW's state_dtype: None, "float32", "8bit"
 
 
 def _run(
@@ -63,6 +82,8 @@ def _run(
     offload=False,
     hybrid=False,
     tied=False,
+    world=None,
+    source=None,
 ):
     return dict(
         patched=patched,
@@ -73,7 +94,13 @@ def _run(
         offload=offload,
         hybrid=hybrid,
         tied=tied,
+        world=world,  # the reshard- runs: the world size their layout needs
+        source=source,  # the reshard- resumes: the run whose checkpoint they resume from
     )
+
+
+def reshard_run(layout: str, state: str, source: str | None = None) -> str:
+    return f"reshard-{layout}-{state}" + (f"-from-{source}" if source else "")
 
 
 RUNS = {
@@ -95,6 +122,15 @@ RUNS = {
     "reference-hybrid": _run(patched=False, hybrid=True),
     "fasttrain-hybrid": _run(hybrid=True),
 }
+for _layout, (_world, _hybrid) in LAYOUTS.items():
+    for _state in STATE_DTYPES:
+        _common = dict(optim_args=f"state_dtype={_state}", hybrid=_hybrid, world=_world)
+        RUNS[reshard_run(_layout, _state)] = _run(save=True, **_common)
+        for _source in LAYOUTS:
+            if _source != _layout:
+                RUNS[reshard_run(_layout, _state, _source)] = _run(
+                    resume=True, source=reshard_run(_source, _state), **_common
+                )
 
 
 def _cpu_offload_without_pinning() -> None:
@@ -183,6 +219,10 @@ def _mesh(params) -> dict:
 def train_once(run: str, a: argparse.Namespace) -> dict:
     spec = RUNS[run]
     patched, dtype = spec["patched"], spec["dtype"]
+    world = dist.get_world_size()
+    if spec["world"] is not None and spec["world"] != world:
+        raise ValueError(f"{run} needs {spec['world']} processes, this launch has {world}")
+    reshard = run.startswith("reshard-")
     fasttrain.unpatch()
     if patched:
         fasttrain.patch()
@@ -210,26 +250,40 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
     if spec["hybrid"]:
         from accelerate.parallelism_config import ParallelismConfig
 
-        world = dist.get_world_size()
         hybrid["parallelism_config"] = ParallelismConfig(dp_replicate_size=2, dp_shard_size=world // 2)
+    if reshard:  # the same global batch and order at every world size (see the module docstring)
+        schedule = dict(
+            max_steps=RESHARD_STEPS,
+            per_device_train_batch_size=RESHARD_GLOBAL_BATCH // world,
+            gradient_accumulation_steps=RESHARD_ACCUMULATION,
+            train_sampling_strategy="random",
+            save_steps=RESHARD_SAVE_STEP,
+        )
+        save_step = RESHARD_SAVE_STEP
+    else:
+        schedule = dict(
+            max_steps=-1,
+            num_train_epochs=a.epochs,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            train_sampling_strategy="group_by_length",
+            save_steps=SAVE_STEP,
+        )
+        save_step = SAVE_STEP
     args = tiny.training_args(
         str(Path(a.out) / run),
         use_cpu=True,  # gloo; the harness's relabelled state keeps FSDP (see the module docstring)
         fsdp="full_shard",
         fsdp_config=fsdp_config,
-        max_steps=-1,
-        num_train_epochs=a.epochs,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        train_sampling_strategy="group_by_length",
         optim_args=spec["optim_args"],
         save_strategy="steps" if spec["save"] else "no",
-        save_steps=SAVE_STEP,
         accelerator_config={"use_configured_state": True},
         **hybrid,
+        **schedule,
     )
-    trainer = engine.recorded_trainer(model, args, a.rows)
-    checkpoint = Path(a.out, run.replace("-resume", "-save"), f"checkpoint-{SAVE_STEP}")
+    trainer = engine.recorded_trainer(model, args, RESHARD_ROWS if reshard else a.rows)
+    source = spec["source"] or (run.replace("-resume", "-save") if spec["resume"] else run)
+    checkpoint = Path(a.out, source, f"checkpoint-{save_step}")
     try:
         trainer.train(resume_from_checkpoint=str(checkpoint) if spec["resume"] else None)
     finally:
@@ -281,6 +335,9 @@ def main() -> None:
     a = p.parse_args()
     rank = fsdp_process_state().process_index
     _cpu_offload_without_pinning()
+    # the imports' objects (torch, transformers, DeepSpeed...) out of the collector's reach: the Trainer and the
+    # harness collect after every run, and a full collection over them took ~1 s a run with 4 processes on 2 cores
+    gc.freeze()
     engine.run_each(
         a.out,
         a.runs.split(","),
