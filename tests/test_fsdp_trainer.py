@@ -3,8 +3,9 @@
 FSDP through the Trainer does not start without an accelerator (tests/_fsdp_trainer_worker.py says where, and
 ``test_fsdp_needs_the_harness_on_cpu`` checks it still holds); the worker's harness relabels Accelerate's gloo
 process state so that the Trainer's real FSDP2 path runs: ``Accelerator.prepare`` -> ``fsdp2_prepare_model`` ->
-``fully_shard`` on a CPU mesh. Two launches: full shard on 2 processes (float64 truth, float32 reference,
-fasttrain, 8-bit states, CPU offload, sharded save and resume) and hybrid shard on 4 (a 2 x 2 mesh). Checked:
+``fully_shard`` on a CPU mesh. Three launches, one after the other into one output folder: full shard on 2
+processes (float64 truth, float32 reference, fasttrain, 8-bit states, CPU offload, sharded save and resume), hybrid
+shard on 4 (a 2 x 2 mesh; also full shard on 4) and the 2-process resumes of the 4-process checkpoints. Checked:
 
 - per-step loss and grad_norm: ``|ours - truth| <= K * |reference - truth| + floor`` against the float64 run;
 - every example trained on exactly once per epoch across the ranks;
@@ -13,7 +14,10 @@ fasttrain, 8-bit states, CPU offload, sharded save and resume) and hybrid shard 
   once per forward (as in the reference);
 - a sharded checkpoint resumes to the same losses as the uninterrupted run, with 8-bit moments too (their codes
   and absmax DTensors on the shards, tests/test_optim_fsdp_8bit.py checks them against the unsharded optimizer
-  and across world sizes).
+  and across world sizes);
+- a sharded checkpoint saved at one world size or mesh resumes at another (2 -> 4 and 4 -> 2 processes, full
+  shard <-> hybrid shard) to the uninterrupted run's losses and grad norms, for every FusedAdamW state_dtype,
+  within the spread between uninterrupted runs at the two layouts.
 """
 
 from __future__ import annotations
@@ -33,7 +37,47 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_fsdp_trainer_worker.py"
 EPOCHS = 2
+
+# Resharding (the worker's reshard- runs and schedule): a run per layout and FusedAdamW state_dtype trains
+# RESHARD_STEPS steps uninterrupted, saving a sharded checkpoint at RESHARD_SAVE_STEP; the resumes continue it at
+# another layout. Every layout trains on the same RESHARD_GLOBAL_BATCH rows per micro-step (2 processes x 4 rows,
+# 4 x 2), in the same random order, so the runs differ only in where their arithmetic ran.
+RESHARD_STEPS = 4
+RESHARD_SAVE_STEP = 2
+RESHARD_GLOBAL_BATCH = 8
+RESHARD_ACCUMULATION = 2
+RESHARD_LAYOUTS = {"full2": 2, "full4": 4, "hybrid4": 4}  # layout -> processes (hybrid4: a 2 x 2 mesh)
+STATE_DTYPES = ("param", "float32", "8bit")  # state_dtype None (the parameter's dtype), "float32", "8bit"
+# (source, target): 2 -> 4 and 4 -> 2 processes, and full shard <-> hybrid shard
+RESHARDS = [("full2", "full4"), ("full4", "full2"), ("full2", "hybrid4"), ("hybrid4", "full2")]
+
+
+def reshard_run(layout: str, state: str, source: str | None = None) -> str:
+    return f"reshard-{layout}-{state}" + (f"-from-{source}" if source else "")
+
+
+def _saves(processes: int) -> list[str]:
+    """The uninterrupted (saving) reshard- runs of the layouts with this many processes."""
+    return [
+        reshard_run(layout, state)
+        for layout, procs in RESHARD_LAYOUTS.items()
+        if procs == processes
+        for state in STATE_DTYPES
+    ]
+
+
+def _resumes(processes: int) -> list[str]:
+    """The reshard- resumes at the layouts with this many processes (of checkpoints saved at another)."""
+    return [
+        reshard_run(target, state, source)
+        for source, target in RESHARDS
+        if RESHARD_LAYOUTS[target] == processes
+        for state in STATE_DTYPES
+    ]
+
+
 # layout -> (processes, rows, runs): ranks x 2 rows x 2 accumulation steps per optimizer step, 4 steps an epoch
+# (the reshard- runs set their own rows and schedule)
 LAUNCHES = {
     "full": (
         2,
@@ -51,12 +95,16 @@ LAUNCHES = {
             "truth-tied",
             "reference-tied",
             "fasttrain-tied",
-            "probe-no-cpu",
+            *_saves(2),
+            "probe-no-cpu",  # last: the probes replace the harness's process state
             "probe-use-cpu",
         ],
     ),
-    "hybrid": (4, 64, ["truth-hybrid", "reference-hybrid", "fasttrain-hybrid"]),
+    "hybrid": (4, 64, ["truth-hybrid", "reference-hybrid", "fasttrain-hybrid", *_saves(4), *_resumes(4)]),
+    "full-resumes": (2, 32, _resumes(2)),
 }
+# a launch that resumes another's checkpoints runs after it (all write into one output folder)
+AFTER = {"hybrid": "full", "full-resumes": "hybrid"}
 STEPS = 4 * EPOCHS
 SAVE_STEP = 4  # the worker's
 # as in tests/test_deepspeed.py: fasttrain's float32 run may be a few times farther from the float64 truth than
@@ -109,12 +157,16 @@ def launch(out: Path, layout: str) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """layout -> its runs, each layout launched once (on first use) for every test of the module."""
+    """layout -> its runs, each layout launched once (on first use, after the launch it resumes from) for every
+    test of the module."""
     cache: dict[str, dict[str, list[dict]]] = {}
+    out = tmp_path_factory.mktemp("fsdp-trainer")
 
     def runs(layout: str) -> dict[str, list[dict]]:
         if layout not in cache:
-            cache[layout] = launch(tmp_path_factory.mktemp(layout), layout)
+            if layout in AFTER:
+                runs(AFTER[layout])
+            cache[layout] = launch(out, layout)
         return cache[layout]
 
     return runs
@@ -128,6 +180,12 @@ def _trained(results: list[dict]) -> list[dict]:
 
 def _layout(run: str) -> str:
     return next(layout for layout, (_, _, runs) in LAUNCHES.items() if run in runs)
+
+
+def _hybrid(run: str) -> bool:
+    if run.startswith("reshard-"):  # reshard-<layout>-<state>[-from-<source>]
+        return run.split("-")[1] == "hybrid4"
+    return run.endswith("-hybrid")
 
 
 def test_fsdp_needs_the_harness_on_cpu(launched):
@@ -165,7 +223,7 @@ def test_runs_are_fsdp2_on_a_cpu_mesh(launched, layout):
             assert r["offload_policy"] == (
                 "CPUOffloadPolicy" if name.endswith("-offload") else "OffloadPolicy"
             )
-            if layout == "hybrid":  # replicated over one mesh dimension, sharded over the other
+            if _hybrid(name):  # replicated over one mesh dimension, sharded over the other
                 assert r["mesh"]["shape"] == [2, procs // 2] and r["mesh"]["placements"] == ["R", "S(0)"], r[
                     "mesh"
                 ]
@@ -281,3 +339,85 @@ def test_sharded_checkpoint_resumes_as_the_uninterrupted_run(launched, moments):
     assert [(x["loss"], x["grad_norm"]) for x in plain] == [
         (x["loss"], x["grad_norm"]) for x in uninterrupted.values()
     ]
+
+
+def _reshard_results(launched, run: str) -> list[dict]:
+    layout = run.split("-")[1]
+    results = _trained(launched(_layout(run))[run])
+    assert results[0]["world_size"] == RESHARD_LAYOUTS[layout] == len(results), run
+    assert all(r["logs"] == results[0]["logs"] for r in results), f"{run}: the ranks logged different values"
+    return results
+
+
+def _rows_per_step(results: list[dict]) -> list[list[int]]:
+    """The rows each optimizer step of a run trained on, over all its ranks (from the rows each rank recorded
+    at each micro-step, in order: RESHARD_ACCUMULATION micro-steps of RESHARD_GLOBAL_BATCH / ranks rows a step)."""
+    per_rank = [r["rows_by_epoch"]["0"] for r in results]
+    per_step = RESHARD_ACCUMULATION * RESHARD_GLOBAL_BATCH // len(results)
+    steps = len(per_rank[0]) // per_step
+    assert all(len(rows) == steps * per_step for rows in per_rank)
+    return [
+        sorted(row for rows in per_rank for row in rows[s * per_step : (s + 1) * per_step])
+        for s in range(steps)
+    ]
+
+
+# the bound of the fp32 logged values' own rounding: the Trainer sums the loss of the accumulation steps in float32
+# and averages it over the ranks (2 or 4: another order of a few additions), the grad norm is reduced over another
+# mesh; a few float32 units of the value
+RESHARD_FLOOR = 4 * 2.0**-23
+# the resumed run may be up to this many times as far from the uninterrupted run as an uninterrupted run at the
+# other layout is (it ran part of the steps in the other order, that run all of them)
+RESHARD_K = 4.0
+
+
+@pytest.mark.parametrize("state", STATE_DTYPES)
+def test_every_layout_trains_on_the_same_examples_per_step(launched, state):
+    # the premise of the resharding tests: 2 x 4 rows and 4 x 2 rows per micro-step are the same 8 examples, so an
+    # optimizer step sees the same examples at every world size and mesh
+    runs = {layout: _reshard_results(launched, reshard_run(layout, state)) for layout in RESHARD_LAYOUTS}
+    rows = {layout: _rows_per_step(results) for layout, results in runs.items()}
+    assert len(rows["full2"]) == RESHARD_STEPS
+    assert sorted(row for step in rows["full2"] for row in step) == list(
+        range(RESHARD_STEPS * RESHARD_ACCUMULATION * RESHARD_GLOBAL_BATCH)
+    )
+    assert rows["full4"] == rows["full2"] == rows["hybrid4"]
+    # and the first step (the same weights, the same examples) logs the same loss and grad norm to the fp32
+    # reduction order
+    first = {layout: results[0]["logs"][0] for layout, results in runs.items()}
+    for key in ("loss", "grad_norm"):
+        values = [log[key] for log in first.values()]
+        assert max(values) - min(values) <= RESHARD_FLOOR * abs(values[0]), (key, first)
+
+
+@pytest.mark.parametrize("source,target", RESHARDS, ids=[f"{s}-to-{t}" for s, t in RESHARDS])
+@pytest.mark.parametrize("state", STATE_DTYPES)
+def test_sharded_checkpoint_resumes_at_another_world_size(launched, state, source, target):
+    uninterrupted = _reshard_results(launched, reshard_run(source, state))
+    other = _reshard_results(launched, reshard_run(target, state))  # uninterrupted at the target layout
+    resumed = _reshard_results(launched, reshard_run(target, state, source))
+    files = uninterrupted[0]["checkpoint_files"]
+    assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(files), files
+    # the resume loaded the checkpoint's trainer state (its logs up to the save) and trained the remaining steps,
+    # on the rows the uninterrupted run trained on at those steps
+    ours, expected, spread_run = (
+        {log["step"]: log for log in run[0]["logs"]} for run in (resumed, uninterrupted, other)
+    )
+    assert sorted(ours) == sorted(expected) == list(range(1, RESHARD_STEPS + 1))
+    assert all(ours[s] == expected[s] for s in range(1, RESHARD_SAVE_STEP + 1))
+    assert _rows_per_step(resumed) == _rows_per_step(uninterrupted)[RESHARD_SAVE_STEP:]
+    assert resumed[0]["deferred_clips_applied"] == RESHARD_STEPS - RESHARD_SAVE_STEP
+    assert resumed[0]["state_keys"] == uninterrupted[0]["state_keys"]  # 8-bit codes for "8bit"
+    # the bound: how far apart the uninterrupted runs at the two layouts are (another reduction order, the same
+    # arithmetic otherwise), at any step
+    off = []
+    for key in ("loss", "grad_norm"):
+        spread = max(abs(spread_run[s][key] - expected[s][key]) for s in expected)
+        for step in range(RESHARD_SAVE_STEP + 1, RESHARD_STEPS + 1):
+            bound = RESHARD_K * spread + RESHARD_FLOOR * abs(expected[step][key])
+            if abs(ours[step][key] - expected[step][key]) > bound:
+                off.append(
+                    f"step {step} {key}: resumed {ours[step][key]!r}, uninterrupted {expected[step][key]!r} "
+                    f"(bound {bound:.3e}; the layouts' spread {spread:.3e})"
+                )
+    assert not off, "\n".join(off)
