@@ -3,6 +3,11 @@
 Under group_by_length every example is trained on exactly once per epoch across the ranks, both ranks end
 on identical weights, and the per-step losses and gradient norms are as close to the truth (the reference
 Trainer's DDP run of the float64 twin) as the reference Trainer's own float32 DDP run is (``_truth``).
+
+8-bit moments (``tests/_ddp_worker.py``): DDP's per-step loss and grad_norm follow one process running the same
+8-bit optimizer on the same rows, as closely as the same pair with float32 moments does. Resume from the Trainer's
+checkpoint (float32 and 8-bit moments): the steps after it train on the rows and log the values of the run that
+never stopped.
 """
 
 from __future__ import annotations
@@ -133,8 +138,18 @@ def test_ddp_token_budget_batches(tmp_path):
     ranks, each batch within the budget, the same number of steps on both ranks (else DDP would hang or drop
     work), identical weights at the end, and the batches packed where packing pays."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [*_torchrun(), str(tmp_path), "--trainer", "fasttrain", "--epochs", str(EPOCHS), "--rows", "47",
-           "--max-tokens-per-batch", str(BUDGET)]  # fmt: skip
+    cmd = [
+        *_torchrun(),
+        str(tmp_path),
+        "--trainer",
+        "fasttrain",
+        "--epochs",
+        str(EPOCHS),
+        "--rows",
+        "47",
+        "--max-tokens-per-batch",
+        str(BUDGET),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     results = [json.loads((tmp_path / f"result-rank{r}.json").read_text()) for r in range(2)]
@@ -147,3 +162,117 @@ def test_ddp_token_budget_batches(tmp_path):
         assert len(r["logs"]) == len(results[0]["logs"])
     assert results[0]["weights"] == results[1]["weights"], "ranks ended on different weights"
     assert results[0]["status"]["packing"] == "on", results[0]["status"]
+
+
+# -- 8-bit moments and resume under DDP (tests/_ddp_worker.py) -----------------------------------------------------
+
+DDP_WORKER = ROOT / "tests" / "_ddp_worker.py"
+DDP_RUNS = [
+    "fasttrain",
+    "fasttrain-save",
+    "fasttrain-resume",
+    "fasttrain-8bit",
+    "fasttrain-8bit-save",
+    "fasttrain-8bit-resume",
+]
+SINGLE_RUNS = ["single", "single-8bit"]  # one process, 4 accumulation steps: the same 8 rows a step
+SAVE_STEP = 3  # the worker's: X-save checkpoints at step 3 of 6, X-resume resumes from there
+ROWS_PER_RANK_STEP = 4  # 2 rows x 2 accumulation steps
+# the engines' bound (tests/test_deepspeed.py): a float32 run may be a few times farther from its truth than the
+# reference is, and a logged value is a float32 accumulation, exact to a few units in its last place
+K = 4.0
+FLOOR = 16 * 2.0**-23
+
+
+@pytest.fixture(scope="module")
+def state_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every run of the worker: the DDP ones in one torchrun launch (both ranks), then the one-process ones."""
+    out = tmp_path_factory.mktemp("ddp-state")
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # the one-process runs too: the ranks' arithmetic, one thread
+    launches = [
+        ([*_torchrun()[:-1], str(DDP_WORKER)], DDP_RUNS, 2),
+        ([sys.executable, str(DDP_WORKER)], SINGLE_RUNS, 1),
+    ]
+    runs = {}
+    for launcher, names, ranks in launches:
+        done = subprocess.run(
+            [*launcher, str(out), "--runs", ",".join(names)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        for name in names:
+            runs[name] = [json.loads((out / f"{name}-rank{r}.json").read_text()) for r in range(ranks)]
+            for r in runs[name]:
+                assert "error" not in r, r.get("traceback", r.get("error"))
+    return runs
+
+
+def _step_rows(results: list[dict], per_step: int) -> list[list[int]]:
+    """The rows each optimizer step trained on, over the ranks (each rank records its micro-batches in order)."""
+    rows = [r["rows_by_epoch"]["0"] for r in results]
+    steps = len(rows[0]) // per_step
+    return [
+        sorted(row for ranked in rows for row in ranked[k * per_step : (k + 1) * per_step])
+        for k in range(steps)
+    ]
+
+
+def test_ddp_8bit_moments_follow_one_process(state_runs):
+    """8-bit moments under DDP (each rank quantizes its full copy of the moments, from the all-reduced gradient)
+    against their truth: the same 8-bit optimizer in one process on the same 8 rows a step. The two differ only by
+    the order the gradient is summed in (two ranks all-reduced, or four micro-batches in one process), so they
+    must be as close as the same pair of runs with float32 moments is (``|ddp - single|``, its largest over the
+    steps), times K, plus the float32 floor of a logged value."""
+    ddp8, single8 = state_runs["fasttrain-8bit"], state_runs["single-8bit"][0]
+    ddp32, single32 = state_runs["fasttrain"][0], state_runs["single"][0]
+    assert [r["world_size"] for r in ddp8] == [2, 2] and single8["world_size"] == 1
+    assert ddp8[0]["distributed_type"] == "DistributedType.MULTI_CPU"
+    for r in (*ddp8, single8):
+        assert r["status"]["optimizer"] == "on"
+        assert r["inner_optimizer"] == "fasttrain.optim.adamw.FusedAdamW"
+        assert "exp_avg_codes" in r["inner_state_keys"], r["inner_state_keys"]
+    # the truth trained on the same rows at every step
+    assert _step_rows(ddp8, ROWS_PER_RANK_STEP) == _step_rows([single8], 2 * ROWS_PER_RANK_STEP)
+    assert ddp8[0]["logs"] == ddp8[1]["logs"]  # the loss is averaged across the ranks before logging
+    assert len(ddp8[0]["logs"]) == len(single8["logs"]) == len(ddp32["logs"]) == len(single32["logs"]) == 6
+    off, apart = [], []
+    for key in ("loss", "grad_norm"):
+        summed_otherwise = max(
+            abs(a[key] - b[key]) for a, b in zip(ddp32["logs"], single32["logs"], strict=True)
+        )
+        for step, (ours, truth, full) in enumerate(
+            zip(ddp8[0]["logs"], single8["logs"], ddp32["logs"], strict=True), start=1
+        ):
+            limit = K * summed_otherwise + FLOOR * abs(truth[key])
+            if not abs(ours[key] - truth[key]) <= limit:
+                off.append(
+                    f"step {step} {key}: DDP {ours[key]!r}, one process {truth[key]!r}, limit {limit:.3e}"
+                )
+            apart.append(abs(full[key] - truth[key]) / limit)
+    assert not off, "\n".join(off)
+    # the bound tells 8-bit moments from float32 ones: DDP with float32 moments would fail it
+    assert max(apart) > 10, max(apart)
+
+
+@pytest.mark.parametrize("run", ["fasttrain", "fasttrain-8bit"])
+def test_ddp_resume_continues_as_the_uninterrupted_run(state_runs, run):
+    """The Trainer's checkpoint at step 3 (weights, FusedAdamW's state, the 8-bit codes as codes, the sampler's
+    place), resumed in the same launch: steps 4-6 train on the rows and log the loss and grad_norm of the run that
+    never stopped, on both ranks."""
+    uninterrupted, resumed = state_runs[run], state_runs[f"{run}-resume"]
+    for full, ours in zip(uninterrupted, resumed, strict=True):
+        assert ours["status"]["optimizer"] == "on"
+        assert ("exp_avg_codes" in ours["inner_state_keys"]) == run.endswith("-8bit")
+        assert ours["rows_by_epoch"]["0"] == full["rows_by_epoch"]["0"][SAVE_STEP * ROWS_PER_RANK_STEP :]
+        after = [log for log in ours["logs"] if log["step"] > SAVE_STEP]
+        expected = {log["step"]: log for log in full["logs"]}
+        assert [log["step"] for log in after] == [s for s in expected if s > SAVE_STEP]
+        for log in after:
+            # the same arithmetic from the same state: only float32 noise of the logged value
+            for key in ("loss", "grad_norm"):
+                want = expected[log["step"]][key]
+                assert abs(log[key] - want) <= FLOOR * abs(want), (log["step"], key, log[key], want)
