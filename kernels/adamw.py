@@ -117,25 +117,28 @@ def _mix32(x):
 
 @triton.jit
 def _sr_program_key(step, salt, seed, start):
-    """fasttrain.optim.rounding's key of (seed, salt, step), folded with the high half of the element index
-    (a chunk never straddles a multiple of 2**32: its elements share it)."""
+    """fasttrain.optim.rounding's key of (seed, salt, step), folded with the high half of the global element
+    index ``start`` of the chunk's first element (a chunk never straddles a multiple of 2**32: its elements share
+    it; ``chunks_straddle`` says where a shard's offset would break that)."""
     key = _mix32(_mix32(_mix32(step.to(tl.uint32)) ^ salt.to(tl.uint32)) ^ seed.to(tl.uint32))
     return _mix32(key + (start >> 32).to(tl.uint32))
 
 
 @triton.jit
-def _to_bf16_stochastic(x, offs, program_key):
-    # add 16 random bits below bf16's last bit, then drop them (NaN stays NaN; see fasttrain.optim.rounding)
-    noise = _mix32(program_key ^ offs.to(tl.uint32)) & 0xFFFF
+def _to_bf16_stochastic(x, idx, program_key):
+    # add 16 random bits below bf16's last bit, then drop them (NaN stays NaN; see fasttrain.optim.rounding);
+    # idx: the elements' global indices
+    noise = _mix32(program_key ^ idx.to(tl.uint32)) & 0xFFFF
     bits = (x.to(tl.uint32, bitcast=True) + noise) & 0xFFFF0000
     x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
     return x.to(tl.bfloat16)  # exact: the low bits are zero
 
 
 @triton.jit
-def _param_out(p, offs, program_key, P_KIND: tl.constexpr, SR: tl.constexpr):
+def _param_out(p, offs, goff, program_key, P_KIND: tl.constexpr, SR: tl.constexpr):
+    # offs: the elements' local indices, goff: the global index of the tensor's first (a shard's offset)
     if SR and P_KIND == 1:  # noqa: SIM108
-        out = _to_bf16_stochastic(p, offs, program_key)
+        out = _to_bf16_stochastic(p, offs + goff, program_key)
     else:
         out = _to_storage(p, P_KIND)
     return out
@@ -198,12 +201,23 @@ def _step_scalars(
     grad_scale = 1.0
     if HAS_GRAD_SCALE:
         grad_scale = tl.load(grad_scale_ptr)
-    return step, decay, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, bc2_sqrt, grad_mul, grad_scale
+    return (
+        step,
+        decay,
+        beta1,
+        beta2,
+        one_minus_beta1,
+        one_minus_beta2,
+        step_size,
+        bc2_sqrt,
+        grad_mul,
+        grad_scale,
+    )
 
 
 @triton.jit
 def _adamw_block(
-    p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n, program_key,
+    p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n, goff, program_key,
     decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
     MASKED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
     P_KIND: tl.constexpr, M_KIND: tl.constexpr, SR: tl.constexpr,
@@ -231,7 +245,7 @@ def _adamw_block(
         decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
         HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE,
     )  # fmt: skip
-    p_out = _param_out(p, offs, program_key, P_KIND, SR)
+    p_out = _param_out(p, offs, goff, program_key, P_KIND, SR)
     m_out = _to_storage(m, M_KIND)
     v_out = _to_storage(v, M_KIND)
     vmax_out = _to_storage(vmax, M_KIND)
@@ -256,6 +270,7 @@ def _adamw_kernel(
     work_tensor_ptr,  # int64 [n_programs]: which tensor this program updates
     work_start_ptr,  # int64 [n_programs]: first element of its chunk
     salt_ptr,  # int64 [n_tensors]: the parameters' indices in the optimizer (stochastic rounding)
+    offset_ptr,  # int64 [n_tensors]: global index of each tensor's first element (stochastic rounding of shards)
     n_tensors,
     lr,  # float, or pointer to a device scalar when LR_IS_TENSOR
     betas_ptr,  # fp64 [4] device tensor: beta1, beta2, 1 - beta1, 1 - beta2 (fp64: 1 - beta ** step keeps its digits)
@@ -293,8 +308,10 @@ def _adamw_kernel(
         )
     )  # fmt: skip
     program_key = tl.full((), 0, tl.uint32)
+    goff = tl.full((), 0, tl.int64)
     if SR:
-        program_key = _sr_program_key(step, tl.load(salt_ptr + t), seed, start)
+        goff = tl.load(offset_ptr + t)
+        program_key = _sr_program_key(step, tl.load(salt_ptr + t), seed, start + goff)
 
     base = tl.arange(0, BLOCK_SIZE).to(tl.int64)
     if start + CHUNK_SIZE <= n:
@@ -304,7 +321,7 @@ def _adamw_kernel(
             # compiler cannot prove alignment of offsets loaded from memory and will not vectorize
             offs = tl.max_contiguous(tl.multiple_of(start + i + base, BLOCK_SIZE), BLOCK_SIZE)
             _adamw_block(
-                p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n, program_key,
+                p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n, goff, program_key,
                 decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
                 False, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE, P_KIND, M_KIND, SR,
             )  # fmt: skip
@@ -313,7 +330,7 @@ def _adamw_kernel(
         for j in tl.range(0, n - start, BLOCK_SIZE):  # j, not i: an int64 here, an int32 above
             offs = start + j + base
             _adamw_block(
-                p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n, program_key,
+                p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, n, goff, program_key,
                 decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
                 True, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE, P_KIND, M_KIND, SR,
             )  # fmt: skip
@@ -398,12 +415,28 @@ def supported_dtype(dtype: torch.dtype) -> bool:
     return dtype in DTYPE_CODES
 
 
+def chunks_straddle(numel: int, offset: int, chunk: int | None = None) -> bool:
+    """Whether a chunk of a tensor of ``numel`` elements whose first has global index ``offset`` would hold
+    elements on both sides of a multiple of 2**32 (the kernels fold the high half of the index into one key per
+    chunk). Never for offset 0 (chunks divide 2**32) nor for an offset that is a multiple of the chunk."""
+    chunk = CHUNK if chunk is None else chunk
+    boundary = ((offset >> 32) + 1) << 32  # the first multiple of 2**32 above the first element
+    while boundary < offset + numel:
+        if (boundary - offset) % chunk:
+            return True
+        boundary += 1 << 32
+    return False
+
+
 class TensorTable:
     """Addresses, sizes and the (tensor, chunk) work table of a list of tensors, on their device.
 
     Built on the host as one int64 buffer and copied to the device in one transfer; reused while the
     addresses do not change (the optimizer keys its cache on them). ``salts`` (one int per tensor: the
-    parameter's index in the optimizer) seed stochastic rounding.
+    parameter's index in the optimizer) seed stochastic rounding; ``offsets`` (one int per tensor, default 0)
+    are the global indices of the tensors' first elements, where a tensor is a shard of a larger parameter: the
+    rounding draws each element's bits at its global index. A chunk must not straddle a multiple of 2**32 of
+    global indices (``chunks_straddle``): a ValueError.
     """
 
     def __init__(
@@ -412,6 +445,7 @@ class TensorTable:
         device: torch.device,
         chunk: int | None = None,
         salts: Sequence[int] | None = None,
+        offsets: Sequence[int] | None = None,
     ):
         chunk = CHUNK if chunk is None else chunk  # read at call time: tests and benchmarks tune it
         if chunk % BLOCK:
@@ -429,17 +463,38 @@ class TensorTable:
             work_start.extend(starts)
             first_chunk.append(len(work_start))
         salts = list(salts) if salts is not None else [0] * n_tensors
-        flat = [a for row in addrs for a in row] + numels + work_tensor + work_start + first_chunk + salts
+        offsets = list(offsets) if offsets is not None else [0] * n_tensors
+        for i, (n, offset) in enumerate(zip(numels, offsets, strict=True)):
+            if chunks_straddle(n, offset, chunk):
+                raise ValueError(
+                    f"tensor {i}: {n} elements from global index {offset} on: a chunk of {chunk} would straddle "
+                    "a multiple of 2**32 (its stochastic rounding bits need two keys)"
+                )
+        flat = (
+            [a for row in addrs for a in row]
+            + numels
+            + work_tensor
+            + work_start
+            + first_chunk
+            + salts
+            + offsets
+        )
         host = torch.tensor(flat, dtype=torch.int64)
         if device.type != "cpu":
             host = host.pin_memory()
         buf = host.to(device, non_blocking=True)
         n_rows = len(rows)
         n_work = len(work_start)
-        sizes = [n_rows * n_tensors, n_tensors, n_work, n_work, n_tensors + 1, n_tensors]
-        self.addrs, self.numels, self.work_tensor, self.work_start, self.first_chunk, self.salts = torch.split(
-            buf, sizes
-        )
+        sizes = [n_rows * n_tensors, n_tensors, n_work, n_work, n_tensors + 1, n_tensors, n_tensors]
+        (
+            self.addrs,
+            self.numels,
+            self.work_tensor,
+            self.work_start,
+            self.first_chunk,
+            self.salts,
+            self.offsets,
+        ) = torch.split(buf, sizes)
         self.n_tensors = n_tensors
         self.n_programs = n_work
         self.chunk = chunk
@@ -497,7 +552,7 @@ def adamw_step(
         return
     positional, constexprs = launch_args(table, args)
     _adamw_kernel[(table.n_programs,)](
-        table.addrs, table.numels, table.work_tensor, table.work_start, table.salts, table.n_tensors,
+        table.addrs, table.numels, table.work_tensor, table.work_start, table.salts, table.offsets, table.n_tensors,
         *positional,
         P_KIND=DTYPE_CODES[p_dtype], G_KIND=DTYPE_CODES[g_dtype], M_KIND=DTYPE_CODES[m_dtype],
         ALIGNED=table.aligned, CHUNK_SIZE=table.chunk, BLOCK_SIZE=BLOCK, **constexprs,

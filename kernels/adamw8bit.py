@@ -81,7 +81,7 @@ def _quantize_store(
 
 @triton.jit
 def _adamw8_tile(
-    p_ptr, g_ptr, mq_ptr, vq_ptr, vmaxq_ptr, ma_ptr, va_ptr, vmaxa_ptr, maps_ptr, offs, blocks, n, program_key,
+    p_ptr, g_ptr, mq_ptr, vq_ptr, vmaxq_ptr, ma_ptr, va_ptr, vmaxa_ptr, maps_ptr, offs, blocks, n, goff, program_key,
     decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
     MASKED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
     P_KIND: tl.constexpr, SR: tl.constexpr,
@@ -104,7 +104,7 @@ def _adamw8_tile(
         decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
         HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE,
     )  # fmt: skip
-    p_out = _param_out(p, offs, program_key, P_KIND, SR)
+    p_out = _param_out(p, offs, goff, program_key, P_KIND, SR)
     if MASKED:
         tl.store(p_ptr + offs, p_out, mask=mask)
         # masked lanes computed from zeros: keep them zero so they cannot raise a block's absmax
@@ -122,7 +122,7 @@ def _adamw8_tile(
 @triton.jit
 def _adamw8bit_kernel(
     addr_ptr,  # int64 [9, n_tensors]: rows ROW_*
-    numel_ptr, work_tensor_ptr, work_start_ptr, salt_ptr, n_tensors,
+    numel_ptr, work_tensor_ptr, work_start_ptr, salt_ptr, offset_ptr, n_tensors,
     maps_ptr,  # fp32 [4, 256]: fasttrain.optim.blockwise8.tables()
     lr, betas_ptr, eps, weight_decay, clip_ptr, grad_scale_ptr, found_inf_ptr, seed,
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, ALIGNED: tl.constexpr,
@@ -158,8 +158,10 @@ def _adamw8bit_kernel(
         )
     )  # fmt: skip
     program_key = tl.full((), 0, tl.uint32)
+    goff = tl.full((), 0, tl.int64)  # global index of the tensor's first element (a shard's offset)
     if SR:
-        program_key = _sr_program_key(step, tl.load(salt_ptr + t), seed, start)
+        goff = tl.load(offset_ptr + t)
+        program_key = _sr_program_key(step, tl.load(salt_ptr + t), seed, start + goff)
 
     ROWS: tl.constexpr = BLOCK_SIZE // 256
     rows = tl.arange(0, ROWS).to(tl.int64)
@@ -169,7 +171,7 @@ def _adamw8bit_kernel(
             first = tl.multiple_of(start + i, BLOCK_SIZE)
             _adamw8_tile(
                 p_ptr, g_ptr, mq_ptr, vq_ptr, vmaxq_ptr, ma_ptr, va_ptr, vmaxa_ptr, maps_ptr,
-                first + tile, first // 256 + rows, n, program_key,
+                first + tile, first // 256 + rows, n, goff, program_key,
                 decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
                 False, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE, P_KIND, SR,
             )  # fmt: skip
@@ -178,7 +180,7 @@ def _adamw8bit_kernel(
             first = start + j
             _adamw8_tile(
                 p_ptr, g_ptr, mq_ptr, vq_ptr, vmaxq_ptr, ma_ptr, va_ptr, vmaxa_ptr, maps_ptr,
-                first + tile, first // 256 + rows, n, program_key,
+                first + tile, first // 256 + rows, n, goff, program_key,
                 decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_sqrt, grad_mul, grad_scale,
                 True, HAS_GRAD_SCALE, AMSGRAD, MAXIMIZE, P_KIND, SR,
             )  # fmt: skip
@@ -198,7 +200,8 @@ def adamw8bit_step(
         raise ValueError(f"BLOCK ({base.BLOCK}) and chunk ({table.chunk}) must be multiples of {QBLOCK}")
     positional, constexprs = base.launch_args(table, args)
     _adamw8bit_kernel[(table.n_programs,)](
-        table.addrs, table.numels, table.work_tensor, table.work_start, table.salts, table.n_tensors, maps,
+        table.addrs, table.numels, table.work_tensor, table.work_start, table.salts, table.offsets, table.n_tensors,
+        maps,
         *positional,
         P_KIND=base.DTYPE_CODES[p_dtype], G_KIND=base.DTYPE_CODES[g_dtype], ALIGNED=table.aligned,
         CHUNK_SIZE=table.chunk, BLOCK_SIZE=base.BLOCK, **constexprs,

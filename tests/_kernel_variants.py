@@ -66,7 +66,7 @@ def _adamw_valid(v: dict[str, Any]) -> bool:
 
 _MULTI_TENSOR = {
     "addr_ptr": "*i64", "numel_ptr": "*i64", "work_tensor_ptr": "*i64", "work_start_ptr": "*i64",
-    "salt_ptr": "*i64", "n_tensors": "n_tensors",
+    "salt_ptr": "*i64", "offset_ptr": "*i64", "n_tensors": "n_tensors",
 }  # fmt: skip
 _STEP = {
     "lr": "lr", "betas_ptr": "*fp64", "eps": "fp32", "weight_decay": "fp32", "clip_ptr": "*fp32",

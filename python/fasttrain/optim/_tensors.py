@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Hashable, Iterable
 from typing import Any
 
@@ -20,6 +22,34 @@ def is_dtensor(t: Any) -> bool:
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank owns: a DTensor's local shard (a view sharing its storage), else ``t`` itself."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def global_offset(t: torch.Tensor) -> int | None:
+    """Where this rank's elements start in the row-major flattening of ``t``'s global tensor.
+
+    0 for a plain tensor. For a DTensor sharded along dim 0 only (``Shard(0)`` on any mesh dimensions,
+    ``Replicate`` on the others: FSDP2's full and hybrid shards) the local tensor holds the global elements
+    ``offset .. offset + local numel - 1``, with ``offset`` = its first row (from the mesh coordinate and
+    torch.chunk's uneven split, as DTensor computes it) times the elements of a row. None for any other placement
+    (the local elements are not one range of the global ones).
+    """
+    if not is_dtensor(t):
+        return 0
+    return _dim0_offset(tuple(t.shape), t.device_mesh, tuple(t.placements))
+
+
+@functools.lru_cache(maxsize=4096)
+def _dim0_offset(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]) -> int | None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if any(not (type(pl) is Replicate or (type(pl) is Shard and pl.dim == 0)) for pl in placements):
+        return None
+    if all(type(pl) is Replicate for pl in placements):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return int(offset[0]) * math.prod(shape[1:]) if offset else 0
 
 
 def like_param(t: torch.Tensor, param: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:

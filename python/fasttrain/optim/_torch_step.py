@@ -43,10 +43,14 @@ def step(
     amsgrad: bool,
     sr_seed: int | None,
     salts: list[int],
+    offsets: list[int] | None = None,
     found_inf: torch.Tensor | None,
     **hyper: Any,
 ) -> None:
     """One step (steps already incremented) of local tensors of one device and parameter dtype, one layout.
+
+    ``salts`` and ``offsets`` (the global index of each tensor's first element: a shard's offset; default 0) pick
+    the stochastic rounding's bits (``fasttrain.optim.rounding``).
 
     ``hyper``: lr, beta1, beta2, weight_decay, eps, maximize, grad_scale (as ``torch._fused_adamw_`` takes them).
     """
@@ -62,14 +66,18 @@ def step(
         )
         return
     work = torch.promote_types(params[0].dtype, torch.float32)
+    offsets = [0] * len(params) if offsets is None else offsets
     for batch in _batches(list(range(len(params))), lambda i: params[i].numel()):
         _staged(
             [params[i] for i in batch], [grads[i] for i in batch], [states[i] for i in batch], lay, work,
-            amsgrad=amsgrad, sr_seed=sr_seed, salts=[salts[i] for i in batch], found_inf=found_inf, **hyper,
+            amsgrad=amsgrad, sr_seed=sr_seed, salts=[salts[i] for i in batch], offsets=[offsets[i] for i in batch],
+            found_inf=found_inf, **hyper,
         )  # fmt: skip
 
 
-def _staged(params, grads, states, lay, work, *, amsgrad, sr_seed, salts, found_inf, **hyper) -> None:
+def _staged(
+    params, grads, states, lay, work, *, amsgrad, sr_seed, salts, offsets, found_inf, **hyper
+) -> None:
     ps = [p if p.dtype == work else p.to(work) for p in params]
     gs = [g if g.dtype == work else g.to(work) for g in grads]
     names = _state.MOMENTS if amsgrad else _state.MOMENTS[:2]
@@ -87,11 +95,11 @@ def _staged(params, grads, states, lay, work, *, amsgrad, sr_seed, salts, found_
 
     # write back; a step skipped for found_inf left the working copies as loaded: every rounding below gives
     # back the stored value, except requantization (not idempotent), which is skipped
-    for p, p_work, salt, s in zip(params, ps, salts, states, strict=True):
+    for p, p_work, salt, offset, s in zip(params, ps, salts, offsets, states, strict=True):
         if p_work is p:
             continue
         if sr_seed is not None and p.dtype == torch.bfloat16:
-            rounding.stochastic_round_to_bf16_(p, p_work, rounding.sr_key(sr_seed, salt, s["step"]))
+            rounding.stochastic_round_to_bf16_(p, p_work, rounding.sr_key(sr_seed, salt, s["step"]), offset)
         else:
             p.copy_(p_work)
     for n, values in zip(names, ms, strict=False):

@@ -32,8 +32,11 @@ at a time; under ZeRO-3 the groups are empty outside ``step()``), after the engi
 ``state_dtype="8bit"`` quantizes whole partitions (``min_8bit_size`` applies to a partition, not to each
 parameter), and ``bf16_stochastic_rounding`` would have nothing to round: the Trainer integration refuses it.
 
-Under FSDP2 (DTensor parameters, full or hybrid shard, CPU offload) each rank steps its own shard; with
-``state_dtype="8bit"`` it quantizes the rows it owns in row blocks, kept as DTensors placed like the parameter,
+Under FSDP2 (DTensor parameters, full or hybrid shard, CPU offload) each rank steps its own shard. Stochastic
+rounding draws each element's bits at its index in the whole parameter (the shard's offset added to the local
+index), so a sharded run rounds as the unsharded optimizer does, bit for bit, and so does a checkpoint resharded
+to another world size or mesh; DTensors sharded otherwise than along dim 0 draw them at the local index (logged).
+With ``state_dtype="8bit"`` it quantizes the rows it owns in row blocks, kept as DTensors placed like the parameter,
 so that torch.distributed.checkpoint reshards them to another world size or mesh (``_state`` says how the blocks
 relate to the shards; 1-D parameters keep fp32 moments there).
 
@@ -56,7 +59,7 @@ from .._backend import check_backend, resolve_backend
 from .._logging import log_once
 from . import _state, _torch_step, blockwise8
 from . import clip as _clip
-from ._tensors import group_by, local
+from ._tensors import global_offset, group_by, local
 
 # our group keys: the constructor's values win over a loaded state dict's (state_dtype and min_8bit_size must agree)
 _OWN_KEYS = ("backend", "state_dtype", "min_8bit_size", "bf16_stochastic_rounding", "sr_seed")
@@ -269,14 +272,17 @@ class FusedAdamW(torch.optim.Optimizer):
                 return False
         return True
 
-    def _table(self, kind: str, rows: list[list[torch.Tensor | None]], device: torch.device, salts=None):
+    def _table(
+        self, kind: str, rows: list[list[torch.Tensor | None]], device: torch.device, salts=None, offsets=None
+    ):
         key = (kind, device, tuple(0 if t is None else t.data_ptr() for row in rows for t in row))
         key += (tuple(t.numel() for t in rows[0]), None if salts is None else tuple(salts))
+        key += (None if offsets is None else tuple(offsets),)
         table = self._tables.get(key)
         if table is None:
             if len(self._tables) > 64:  # addresses changed (new grads, a reload): drop stale tables
                 self._tables.clear()
-            table = _kernels().TensorTable(rows, device, salts=salts)
+            table = _kernels().TensorTable(rows, device, salts=salts, offsets=offsets)
             self._tables[key] = table
         return table
 
@@ -375,6 +381,16 @@ class FusedAdamW(torch.optim.Optimizer):
         g = local(p.grad)
         if self._backend_for(group, g.device) != "triton":
             return False
+        if self._sr_seed(group, p.dtype) is not None and _kernels().chunks_straddle(
+            local(p).numel(), self._sr_offset(p)
+        ):
+            log_once(
+                "fused_adamw.triton_sr_straddle",
+                "FusedAdamW: a bf16 shard whose global element indices cross a multiple of 2**32 inside a kernel "
+                "chunk (stochastic rounding keys fold in the index's high half per chunk): its parameter is "
+                "updated by torch's fused AdamW",
+            )
+            return False
         state = self.state[p]
         if lay == "8bit" and not _state.flat_blocks(state):
             log_once(
@@ -406,6 +422,21 @@ class FusedAdamW(torch.optim.Optimizer):
     def _sr_seed(group: dict[str, Any], p_dtype: torch.dtype) -> int | None:
         return group["sr_seed"] if group["bf16_stochastic_rounding"] and p_dtype == torch.bfloat16 else None
 
+    @staticmethod
+    def _sr_offset(p: torch.Tensor) -> int:
+        """The global index of the first element of this rank's part of ``p`` (0 for a plain tensor), at which
+        stochastic rounding draws its bits (``fasttrain.optim.rounding``)."""
+        offset = global_offset(p)
+        if offset is None:
+            log_once(
+                f"fused_adamw.sr_placements.{tuple(p.placements)}",
+                f"FusedAdamW: bf16_stochastic_rounding on a DTensor placed {tuple(p.placements)} (not along dim 0 "
+                "only): its random bits come from the local element index, so they depend on the sharding",
+                logging.WARNING,
+            )
+            return 0
+        return offset
+
     def _triton_step(
         self, group, entries, device, p_dtype, g_dtype, lay, clip_coef, grad_scale, found_inf
     ) -> None:
@@ -422,8 +453,13 @@ class FusedAdamW(torch.optim.Optimizer):
         rows = [[local(p) for p in params], [local(p.grad) for p in params]]
         rows += [[local(s[n]) if n in moments else None for s in states] for n in names]
         rows.append(steps)
+        sr_seed = self._sr_seed(group, p_dtype)
         table = self._table(
-            "adamw8" if lay == "8bit" else "adamw", rows, device, salts=[e[1] for e in entries]
+            "adamw8" if lay == "8bit" else "adamw",
+            rows,
+            device,
+            salts=[e[1] for e in entries],
+            offsets=None if sr_seed is None else [self._sr_offset(p) for p in params],
         )
         found_inf = self._device_scalar(found_inf, device)
         lr = group["lr"]
@@ -437,7 +473,7 @@ class FusedAdamW(torch.optim.Optimizer):
             found_inf=found_inf,
             amsgrad=amsgrad,
             maximize=group["maximize"],
-            sr_seed=self._sr_seed(group, p_dtype),
+            sr_seed=sr_seed,
         )
         # as torch's fused AdamW: count the step first, take it back if the scaler found an inf
         torch._foreach_add_(steps, 1.0)
@@ -468,14 +504,16 @@ class FusedAdamW(torch.optim.Optimizer):
         found_inf = self._device_scalar(found_inf, device)
         torch._foreach_add_(steps, 1.0)
         beta1, beta2 = group["betas"]
+        sr_seed = self._sr_seed(group, local(params[0]).dtype)
         _torch_step.step(
             [local(p) for p in params],
             [local(p.grad) for p in params],
             [{k: local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()} for s in states],
             lay,
             amsgrad=group["amsgrad"],
-            sr_seed=self._sr_seed(group, local(params[0]).dtype),
+            sr_seed=sr_seed,
             salts=[e[1] for e in entries],
+            offsets=[0] * len(params) if sr_seed is None else [self._sr_offset(p) for p in params],
             found_inf=found_inf,
             lr=lr,
             beta1=beta1,

@@ -12,6 +12,10 @@ The 16 random bits of element ``i`` of a parameter come from a counter-based has
 
 with ``mix32`` the "lowbias32" integer hash (C. Wellons). ``step`` is the optimizer's step count of the
 parameter (after the increment), so a run resumed from a checkpoint draws exactly the bits it would have drawn.
+``i`` is the element's index in the whole parameter (row-major): a rank holding an FSDP2 shard (rows of dim 0)
+draws the bits of its elements at ``i = offset + local index``, ``offset`` its first element's global index
+(``fasttrain.optim._tensors.global_offset``), so every sharding, and the unsharded optimizer, rounds each element
+with the same bits, and a checkpoint resharded to another world size resumes with the bits of the run it left.
 The Triton kernel computes the same bits (``fasttrain.kernels.adamw._sr_bits``); this module is the torch
 implementation, on int64 tensors (products split in 16-bit halves, so nothing overflows).
 """
@@ -44,20 +48,23 @@ def sr_key(seed: int, salt: int, step: torch.Tensor) -> torch.Tensor:
     return mix32(mix32(mix32(s) ^ (salt & _M32)) ^ (seed & _M32))
 
 
-def random_bits16(key: torch.Tensor, numel: int) -> torch.Tensor:
-    """int64 ``[numel]``: the 16 random bits of elements 0..numel-1."""
-    i = torch.arange(numel, dtype=torch.int64, device=key.device)
+def random_bits16(key: torch.Tensor, numel: int, offset: int = 0) -> torch.Tensor:
+    """int64 ``[numel]``: the 16 random bits of elements offset..offset+numel-1."""
+    i = torch.arange(offset, offset + numel, dtype=torch.int64, device=key.device)
     hi_key = mix32((key + (i >> 32)) & _M32)
     return mix32(hi_key ^ (i & _M32)) & 0xFFFF
 
 
-def stochastic_round_to_bf16_(dst: torch.Tensor, src: torch.Tensor, key: torch.Tensor) -> None:
-    """``dst`` (bf16) = ``src`` (fp32, same shape) rounded stochastically with the bits of ``key``.
+def stochastic_round_to_bf16_(
+    dst: torch.Tensor, src: torch.Tensor, key: torch.Tensor, offset: int = 0
+) -> None:
+    """``dst`` (bf16) = ``src`` (fp32, same shape) rounded stochastically with the bits of ``key``, its elements
+    (row-major) being those of global index ``offset`` on.
 
     NaN stays NaN and an infinity stays infinite; a finite value can round up to infinity, as in any SR.
     """
     bits = src.reshape(-1).view(torch.int32).to(torch.int64) & _M32
-    bits = (bits + random_bits16(key, src.numel())) & 0xFFFF0000
+    bits = (bits + random_bits16(key, src.numel(), offset)) & 0xFFFF0000
     bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
     rounded = bits.view(torch.float32)
     flat = src.reshape(-1)
