@@ -280,6 +280,46 @@ def run_head(
         return _ChunkedHead.apply(hidden, weight, bias, chunk_math, plan)
 
 
+def head_with_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunk_math: ChunkMath,
+    chunk_rows: int,
+    predicted: Any,
+    needs: tuple[bool, bool, bool],
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
+    """``run_head``'s outputs and, without autograd, the gradients of the inputs in ``needs`` for an upstream of
+    ``predicted`` on every token of output 0: what ``run_head``'s forward and backward give for a loss whose
+    upstream is that (a ``"mean"`` or ``"sum"`` reduction), the same passes, the same roundings."""
+    device_type = hidden.device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    compute_dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
+    predicted = torch.as_tensor(predicted, dtype=torch.float32, device=hidden.device)
+    plan = _Plan(compute_dtype, max(1, chunk_rows), predicted)
+    needs = (needs[0], needs[1], bias is not None and needs[2])
+    like = (hidden, weight, bias)
+    with torch.autocast(device_type, enabled=False):
+        scale = predicted if any(needs) else None
+        basis = _pass(
+            hidden, weight, bias, plan, needs if scale is not None else None,
+            lambda logits, lo, hi, scratch: chunk_math.forward_chunk(logits, lo, hi, scale, scratch),
+        )  # fmt: skip
+        outputs = chunk_math.take_outputs()
+        if basis is None:
+            return outputs, (None, None, None)
+        upstream = predicted.expand(hidden.shape[0])
+        ratio = _exact_ratio(upstream, chunk_math.valid, predicted)
+        if ratio is not None:
+            return outputs, basis.finish(None if float(ratio) == 1.0 else ratio, like)
+        grads = _pass(
+            hidden, weight, bias, plan, needs,
+            lambda logits, lo, hi, scratch: chunk_math.backward_chunk(logits, lo, hi, (upstream,), scratch),
+        )  # fmt: skip
+        assert grads is not None
+        return outputs, grads.finish(None, like)
+
+
 def check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """Every label in ``[0, vocab)`` or ``ignore_index``: an exception on CPU, a device-side assert elsewhere."""
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))

@@ -21,7 +21,14 @@ from typing import Any
 import torch
 
 from .._backend import check_backend
-from .chunked_head import MIN_CHUNK_ROWS, check_labels, check_operands, default_chunk_rows, run_head
+from .chunked_head import (
+    MIN_CHUNK_ROWS,
+    check_labels,
+    check_operands,
+    default_chunk_rows,
+    head_with_grads,
+    run_head,
+)
 from .lm_head_torch import HeadTransform, chunk_fns
 
 __all__ = ["MIN_CHUNK_ROWS", "default_chunk_rows", "fused_linear_cross_entropy"]
@@ -119,7 +126,6 @@ def _validate(hidden, weight, bias, labels, reduction, label_smoothing, z_loss, 
         raise ValueError(f"num_items_in_batch only applies to reduction='mean', got reduction={reduction!r}")
 
 
-@torch.compiler.disable  # a Python loop over chunks around a custom Function: run it eagerly under compile
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -153,9 +159,75 @@ def fused_linear_cross_entropy(
     or ``"torch"``. ``chunk_rows`` overrides the chunk size rule (``default_chunk_rows``). Under autocast
     the matmul runs in the autocast dtype, like ``nn.Linear``.
     """
+    options = dict(
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        reduction=reduction,
+        backend=backend,
+        chunk_rows=chunk_rows,
+    )
+    if torch.compiler.is_compiling():
+        if reduction in ("mean", "sum"):  # a scalar loss: one custom op in the graph (loss/compiled.py)
+            from .compiled import fused_in_graph
+
+            return fused_in_graph(
+                hidden, weight, labels, bias, num_items_in_batch=num_items_in_batch, **options
+            )
+        return _eager_outside_graph(
+            hidden, weight, labels, bias, num_items_in_batch=num_items_in_batch, **options
+        )
+    return eager_fused_linear_cross_entropy(
+        hidden, weight, labels, bias, num_items_in_batch=num_items_in_batch, **options
+    )
+
+
+def eager_fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    reduction: str = "mean",
+    num_items_in_batch: torch.Tensor | int | float | None = None,
+    backend: str = "auto",
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """``fused_linear_cross_entropy`` run eagerly: the chunk loop around the custom autograd Function."""
     _validate(
         hidden, weight, bias, labels, reduction, label_smoothing, z_loss, softcap, backend, num_items_in_batch
     )
+    hidden_2d, rows, denominator, predicted, math = _prepare(
+        hidden, weight, labels, ignore_index, label_smoothing, z_loss, softcap, reduction,
+        num_items_in_batch, backend, chunk_rows,
+    )  # fmt: skip
+    (per_token,) = run_head(hidden_2d, weight, bias, math, rows, predicted)
+    if reduction == "none":
+        return per_token.reshape(labels.shape)
+    total = per_token.sum()
+    return total if denominator is None else total / denominator  # torch's 0 / 0 = NaN, x / 0 = inf
+
+
+def _prepare(
+    hidden,
+    weight,
+    labels,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    reduction,
+    num_items,
+    backend,
+    chunk_rows,
+):
+    """(hidden as [N, H], chunk rows, the mean's denominator or None, the upstream each scored token's loss will
+    get, the chunk math), after the checks that need the labels' values."""
     hidden_2d = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     labels_1d = labels.reshape(-1).to(device=hidden.device, dtype=torch.int64)
     check_labels(labels_1d, weight.shape[0], ignore_index)
@@ -164,7 +236,7 @@ def fused_linear_cross_entropy(
         raise ValueError(f"chunk_rows must be >= 1, got {rows}")
     denominator = None
     if reduction == "mean":
-        counted = (labels_1d != ignore_index).sum() if num_items_in_batch is None else num_items_in_batch
+        counted = (labels_1d != ignore_index).sum() if num_items is None else num_items
         denominator = torch.as_tensor(counted, device=hidden.device).float()
     opts = {
         "ignore_index": int(ignore_index),
@@ -172,12 +244,35 @@ def fused_linear_cross_entropy(
         "z_loss": float(z_loss),
         "softcap": None if softcap is None else float(softcap),
     }
-    # the upstream gradient each scored token's loss will get from the reduction below (1 / 0 = inf when
-    # nothing is counted: the scored rows get torch's non-finite gradients, ignored rows stay exactly zero)
+    # the upstream gradient each scored token's loss will get from the reduction (1 / 0 = inf when nothing is
+    # counted: the scored rows get torch's non-finite gradients, ignored rows stay exactly zero)
     predicted = None if reduction == "none" else (1.0 if denominator is None else 1.0 / denominator)
-    math = _CrossEntropyMath(labels_1d, backend, opts, weight.shape[0])
-    (per_token,) = run_head(hidden_2d, weight, bias, math, rows, predicted)
-    if reduction == "none":
-        return per_token.reshape(labels.shape)
+    return (
+        hidden_2d,
+        rows,
+        denominator,
+        predicted,
+        _CrossEntropyMath(labels_1d, backend, opts, weight.shape[0]),
+    )
+
+
+def scalar_loss_and_grads(hidden, weight, labels, bias, needs, *, num_items_in_batch, reduction, **options):
+    """A ``"mean"`` or ``"sum"`` loss and the gradients of the inputs in ``needs`` (None for the others), computed
+    together without autograd: the custom op of the compiled path (``loss/compiled.py``)."""
+    _validate(
+        hidden, weight, bias, labels, reduction, options["label_smoothing"], options["z_loss"], options["softcap"],
+        options["backend"], num_items_in_batch,
+    )  # fmt: skip
+    hidden_2d, rows, denominator, predicted, math = _prepare(
+        hidden, weight, labels, options["ignore_index"], options["label_smoothing"], options["z_loss"],
+        options["softcap"], reduction, num_items_in_batch, options["backend"], options["chunk_rows"],
+    )  # fmt: skip
+    (per_token,), grads = head_with_grads(hidden_2d, weight, bias, math, rows, predicted, needs)
     total = per_token.sum()
-    return total if denominator is None else total / denominator  # torch's 0 / 0 = NaN, x / 0 = inf
+    loss = total if denominator is None else total / denominator
+    grad_hidden = None if grads[0] is None else grads[0].reshape(hidden.shape)
+    return loss, (grad_hidden, grads[1], grads[2])
+
+
+# a per-token loss ("none") gets a per-token upstream gradient: eager, behind a graph break
+_eager_outside_graph = torch.compiler.disable(eager_fused_linear_cross_entropy)

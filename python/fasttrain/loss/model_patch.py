@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .._logging import log_once
 from ..families import fused_loss_classes
@@ -86,6 +87,9 @@ class _FusedLossState:
 
 
 _MISSING = object()
+# the backbone outputs a causal LM's output carries (read here: Dynamo cannot trace ``dataclasses.fields`` of a
+# class, and a graph break there would split a compiled forward)
+_PASSED_OUTPUT_FIELDS = frozenset(f.name for f in dataclasses.fields(CausalLMOutputWithPast)) - {"loss", "logits"}
 
 
 def find_causal_lm(model: nn.Module) -> nn.Module:
@@ -217,10 +221,9 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         reduction="mean",
         num_items_in_batch=arguments.get("num_items_in_batch"),
     )
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} - {"loss", "logits"}
-    return CausalLMOutputWithPast(loss=loss, logits=None, **{k: v for k, v in outputs.items() if k in fields})
+    return CausalLMOutputWithPast(
+        loss=loss, logits=None, **{k: v for k, v in outputs.items() if k in _PASSED_OUTPUT_FIELDS}
+    )
 
 
 def _state(model: nn.Module) -> _FusedLossState | None:
