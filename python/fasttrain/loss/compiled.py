@@ -11,7 +11,9 @@ saves its gradients for the backward (the memory the eager head holds between fo
 Inductor compiles everything around it. ``"none"`` (a per-token upstream gradient) stays eager, behind a graph break.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: ``torch.library.custom_op`` reads the schema from the annotations, and
+# typing's Optional is what every torch since 2.4 understands there.
+from typing import Optional
 
 import torch
 
@@ -26,17 +28,17 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
 def loss_and_grads(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    bias: Optional[torch.Tensor],  # noqa: UP045
     labels: torch.Tensor,
-    num_items_in_batch: torch.Tensor | None,
+    num_items_in_batch: Optional[torch.Tensor],  # noqa: UP045
     needs: list[bool],
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
-    softcap: float | None,
+    softcap: Optional[float],  # noqa: UP045
     reduction: str,
     backend: str,
-    chunk_rows: int | None,
+    chunk_rows: Optional[int],  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, d loss / d hidden, d loss / d weight, d loss / d bias); a gradient not asked for (``needs``) is an
     empty tensor."""
