@@ -89,7 +89,10 @@ class _FusedLossState:
 _MISSING = object()
 # the backbone outputs a causal LM's output carries (read here: Dynamo cannot trace ``dataclasses.fields`` of a
 # class, and a graph break there would split a compiled forward)
-_PASSED_OUTPUT_FIELDS = frozenset(f.name for f in dataclasses.fields(CausalLMOutputWithPast)) - {"loss", "logits"}
+_PASSED_OUTPUT_FIELDS = frozenset(f.name for f in dataclasses.fields(CausalLMOutputWithPast)) - {
+    "loss",
+    "logits",
+}
 
 
 def find_causal_lm(model: nn.Module) -> nn.Module:
