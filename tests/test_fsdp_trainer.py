@@ -407,12 +407,16 @@ def test_sharded_checkpoint_resumes_at_another_world_size(launched, state, sourc
     assert all(ours[s] == expected[s] for s in range(1, RESHARD_SAVE_STEP + 1))
     assert _rows_per_step(resumed) == _rows_per_step(uninterrupted)[RESHARD_SAVE_STEP:]
     assert resumed[0]["deferred_clips_applied"] == RESHARD_STEPS - RESHARD_SAVE_STEP
-    assert resumed[0]["state_keys"] == uninterrupted[0]["state_keys"]  # 8-bit codes for "8bit"
+    # the moments in the state_dtype's layout (8-bit codes and absmax on the shards for "8bit")
+    assert resumed[0]["state_keys"] == uninterrupted[0]["state_keys"]
+    assert ("exp_avg_codes:uint8" in resumed[0]["state_keys"]) == (state == "8bit")
     # the bound: how far apart the uninterrupted runs at the two layouts are (another reduction order, the same
     # arithmetic otherwise), at any step
     off = []
     for key in ("loss", "grad_norm"):
         spread = max(abs(spread_run[s][key] - expected[s][key]) for s in expected)
+        # which must itself be a reduction-order spread (64 float32 units), or the bound would say nothing
+        assert spread <= 16 * RESHARD_FLOOR * max(abs(log[key]) for log in expected.values()), (key, spread)
         for step in range(RESHARD_SAVE_STEP + 1, RESHARD_STEPS + 1):
             bound = RESHARD_K * spread + RESHARD_FLOOR * abs(expected[step][key])
             if abs(ours[step][key] - expected[step][key]) > bound:
