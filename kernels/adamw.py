@@ -278,7 +278,7 @@ def _adamw_kernel(
     clip_ptr,  # fp32 device scalar: clip coefficient (HAS_CLIP)
     grad_scale_ptr,  # fp32 device scalar: GradScaler's scale (HAS_GRAD_SCALE)
     found_inf_ptr,  # fp32 device scalar: non-zero skips the step (HAS_FOUND_INF)
-    seed,  # int < 2**31: stochastic rounding seed (SR)
+    seed,  # int32: the stochastic rounding seed's low 32 bits (SR)
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, M_KIND: tl.constexpr, ALIGNED: tl.constexpr,
     LR_IS_TENSOR: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
@@ -524,6 +524,13 @@ class StepArgs:
     sr_seed: int | None = None
 
 
+def _int32_bits(seed: int) -> int:
+    """The seed's low 32 bits as a signed 32-bit argument: the kernel reads them back as uint32, the bits that
+    ``fasttrain.optim.rounding.sr_key`` takes (``seed & 0xFFFFFFFF``), so both backends round alike for any int."""
+    low = seed & 0xFFFFFFFF
+    return low - 2**32 if low >= 2**31 else low
+
+
 def launch_args(table: TensorTable, args: StepArgs) -> tuple[tuple, dict]:
     """The arguments the AdamW kernels share (after the table), positional and constexpr."""
     dummy = table.numels  # any device pointer for the scalars a launch does not use
@@ -533,7 +540,7 @@ def launch_args(table: TensorTable, args: StepArgs) -> tuple[tuple, dict]:
         dummy if args.clip_coef is None else args.clip_coef,
         dummy if args.grad_scale is None else args.grad_scale,
         dummy if args.found_inf is None else args.found_inf,
-        0 if args.sr_seed is None else args.sr_seed % 2**31,
+        0 if args.sr_seed is None else _int32_bits(args.sr_seed),
     )  # fmt: skip
     constexprs = dict(
         LR_IS_TENSOR=lr_is_tensor, HAS_CLIP=args.clip_coef is not None, HAS_GRAD_SCALE=args.grad_scale is not None,

@@ -88,7 +88,9 @@ def test_fsdp2_stochastic_rounding_is_the_unsharded_one_and_survives_resharding(
 LR, WEIGHT_DECAY, SEED = 1e-2, 0.1, 77
 
 
-def _decayed_step(backend: str, shapes, offsets: dict[int, int], monkeypatch) -> list[torch.Tensor]:
+def _decayed_step(
+    backend: str, shapes, offsets: dict[int, int], monkeypatch, seed: int = SEED
+) -> list[torch.Tensor]:
     """One step with zero gradients (the update is p * (1 - lr * wd), one fp32 product in both backends) of bf16
     parameters whose first elements are given the global ``offsets`` (by index)."""
     from fasttrain import FusedAdamW
@@ -105,7 +107,7 @@ def _decayed_step(backend: str, shapes, offsets: dict[int, int], monkeypatch) ->
         backend=backend,
         state_dtype=torch.float32,
         bf16_stochastic_rounding=True,
-        sr_seed=SEED,
+        sr_seed=seed,
     )
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -113,7 +115,7 @@ def _decayed_step(backend: str, shapes, offsets: dict[int, int], monkeypatch) ->
     return [p.detach() for p in params]
 
 
-def _expected(shapes, offsets: dict[int, int]) -> list[torch.Tensor]:
+def _expected(shapes, offsets: dict[int, int], seed: int = SEED) -> list[torch.Tensor]:
     from fasttrain.optim import rounding
 
     g = torch.Generator().manual_seed(5)
@@ -123,7 +125,7 @@ def _expected(shapes, offsets: dict[int, int]) -> list[torch.Tensor]:
         x = torch.randn(s, generator=g).to(torch.bfloat16).float() * decay
         r = torch.empty(s, dtype=torch.bfloat16)
         rounding.stochastic_round_to_bf16_(
-            r, x, rounding.sr_key(SEED, i, torch.tensor(1.0)), offsets.get(i, 0)
+            r, x, rounding.sr_key(seed, i, torch.tensor(1.0)), offsets.get(i, 0)
         )
         out.append(r)
     return out
@@ -147,6 +149,15 @@ def test_both_backends_draw_the_bits_at_the_global_index(backend, monkeypatch):
     local = _expected(SHAPES, {})
     for i, (x, y) in enumerate(zip(got, local, strict=True)):
         assert not torch.equal(x, y), (backend, i)
+
+
+@pytest.mark.parametrize("seed", [2**31 + 5, -7, 2**40 + 3])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_both_backends_draw_the_same_bits_for_any_seed(backend, seed, monkeypatch):
+    # the kernel takes the seed as a 32-bit argument: its low 32 bits, as the torch path's key reads it
+    got = _decayed_step(backend, SHAPES[:1], {}, monkeypatch, seed=seed)
+    (expected,) = _expected(SHAPES[:1], {}, seed=seed)
+    assert torch.equal(got[0].view(torch.int16), expected.view(torch.int16))
 
 
 def test_a_table_whose_chunk_would_straddle_2_32_is_refused():
