@@ -98,7 +98,11 @@ def assert_tracks_truth(ours, ref, truth, k, ulps, what="parameters"):
     off = [
         m
         for i, (a, b, t) in enumerate(zip(ours, ref, truth, strict=True))
-        if (m := check_truth(a, b, t, k=k, ulps=ulps, dtype=a.dtype, what=f"{what} #{i} {tuple(a.shape)} {a.dtype}"))
+        if (
+            m := check_truth(
+                a, b, t, k=k, ulps=ulps, dtype=a.dtype, what=f"{what} #{i} {tuple(a.shape)} {a.dtype}"
+            )
+        )
     ]
     assert not off, f"{what} off (k={k}, floor {ulps} ulp):\n  " + "\n  ".join(off)
 

@@ -173,11 +173,22 @@ def all_on_status() -> dict[str, str]:
     clip = (
         "on" if FUSED_CLIP else f"off: transformers {transformers.__version__} has no Trainer._clip_grad_norm"
     )
-    packing = "on" if PACKING else (
-        f"off: transformers {transformers.__version__} counts num_items_in_batch over unshifted labels "
-        "(a packed row would change the loss's denominator)"
+    packing = (
+        "on"
+        if PACKING
+        else (
+            f"off: transformers {transformers.__version__} counts num_items_in_batch over unshifted labels "
+            "(a packed row would change the loss's denominator)"
+        )
     )
-    return {"optimizer": "on", "clip": clip, "loss": "on", "collator": "on", "sampler": "on", "packing": packing}
+    return {
+        "optimizer": "on",
+        "clip": clip,
+        "loss": "on",
+        "collator": "on",
+        "sampler": "on",
+        "packing": packing,
+    }
 
 
 def text_dataset(n: int = 24, seed: int = 0):

@@ -75,15 +75,17 @@ def record(line: str) -> None:
             f.write(f"{test} | {line}\n")
 
 
-def float64_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
-                           shift_labels=None, **kwargs):
+def float64_causal_lm_loss(
+    logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
+):
     """transformers' ``ForCausalLMLoss`` without its ``logits.float()``: that cast would round the truth's logits
     to float32 and hide the reference's own loss rounding."""
     if shift_labels is None:
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
     logits = logits.view(-1, vocab_size)
-    return fixed_cross_entropy(logits, shift_labels.view(-1).to(logits.device), num_items_in_batch, ignore_index,
-                               **kwargs)
+    return fixed_cross_entropy(
+        logits, shift_labels.view(-1).to(logits.device), num_items_in_batch, ignore_index, **kwargs
+    )
 
 
 def float64_twin(model: torch.nn.Module) -> torch.nn.Module:
@@ -102,30 +104,56 @@ def step_logs(run) -> list[dict]:
     return list(run)
 
 
-def _near(ours: float, ref: float, truth: float, bound: Bound, abs_floor: float = 0.0,
-          ref_scale: float | None = None) -> tuple[bool, str]:
+def _near(
+    ours: float,
+    ref: float,
+    truth: float,
+    bound: Bound,
+    abs_floor: float = 0.0,
+    ref_scale: float | None = None,
+) -> tuple[bool, str]:
     """``ref_scale``: the reference's distance to use in the limit (by default its distance here)."""
     ref_err, our_err = abs(ref - truth), abs(ours - truth)
     limit = bound.limit(ref_err if ref_scale is None else ref_scale, abs(truth)) + abs_floor
-    text = f"ours {ours!r}, reference {ref!r}, float64 {truth!r}: |ours - f64| = {our_err:.3e}, " \
-           f"|ref - f64| = {ref_err:.3e}, limit {limit:.3e}"
+    text = (
+        f"ours {ours!r}, reference {ref!r}, float64 {truth!r}: |ours - f64| = {our_err:.3e}, "
+        f"|ref - f64| = {ref_err:.3e}, limit {limit:.3e}"
+    )
     return our_err <= limit, text
 
 
-def assert_scalar_near_truth(what: str, ours: float, ref: float, truth: float, bound: Bound,
-                             abs_floor: float = 0.0, ref_scale: float | None = None) -> None:
+def assert_scalar_near_truth(
+    what: str,
+    ours: float,
+    ref: float,
+    truth: float,
+    bound: Bound,
+    abs_floor: float = 0.0,
+    ref_scale: float | None = None,
+) -> None:
     ok, text = _near(ours, ref, truth, bound, abs_floor, ref_scale)
     record(f"{what}: {text}")
     assert ok, f"{what}: {text}"
 
 
-def assert_logs_near_truth(ours, ref, truth, bound: Bound = FP32_STEP, keys: Iterable[str] | None = None,
-                           skip: Iterable[str] = (), abs_floor: dict[str, float] | None = None) -> None:
+def assert_logs_near_truth(
+    ours,
+    ref,
+    truth,
+    bound: Bound = FP32_STEP,
+    keys: Iterable[str] | None = None,
+    skip: Iterable[str] = (),
+    abs_floor: dict[str, float] | None = None,
+) -> None:
     """Every float the three runs log at each step (or only ``keys``): ours within ``bound`` of the truth.
 
     Keys whose value is not a finite float (counts, a learning rate equal in all three, NaN) must be equal."""
     ours_logs, ref_logs, truth_logs = step_logs(ours), step_logs(ref), step_logs(truth)
-    assert len(ours_logs) == len(ref_logs) == len(truth_logs) > 0, (len(ours_logs), len(ref_logs), len(truth_logs))
+    assert len(ours_logs) == len(ref_logs) == len(truth_logs) > 0, (
+        len(ours_logs),
+        len(ref_logs),
+        len(truth_logs),
+    )
     skip, abs_floor = set(skip), abs_floor or {}
 
     def measured(key, value):
@@ -133,29 +161,49 @@ def assert_logs_near_truth(ours, ref, truth, bound: Bound = FP32_STEP, keys: Ite
 
     # the reference's largest relative distance to the truth over the run, per key (see the module's docstring)
     def run_scale(key):  # over the steps that log the key (GRPO's later iterations log fewer)
-        distances = [abs(a[key] - t[key]) for a, t in zip(ref_logs, truth_logs, strict=True)
-                     if key in t and key in a and measured(key, t[key]) and measured(key, a[key])]
+        distances = [
+            abs(a[key] - t[key])
+            for a, t in zip(ref_logs, truth_logs, strict=True)
+            if key in t and key in a and measured(key, t[key]) and measured(key, a[key])
+        ]
         return max(distances, default=0.0)
 
     ref_scale = {key: run_scale(key) for step in truth_logs for key in step}
     for step, (b, a, t) in enumerate(zip(ours_logs, ref_logs, truth_logs, strict=True), start=1):
         assert a.keys() == b.keys() == t.keys(), (step, sorted(a), sorted(b), sorted(t))
-        for key in (t.keys() if keys is None else keys):
+        for key in t.keys() if keys is None else keys:
             if key in skip:
                 continue
             if measured(key, t[key]):
-                assert_scalar_near_truth(f"step {step} {key}", b[key], a[key], t[key], bound, abs_floor.get(key, 0.0),
-                                         ref_scale=ref_scale[key])
+                assert_scalar_near_truth(
+                    f"step {step} {key}",
+                    b[key],
+                    a[key],
+                    t[key],
+                    bound,
+                    abs_floor.get(key, 0.0),
+                    ref_scale=ref_scale[key],
+                )
             else:
-                assert b[key] == a[key] == t[key] or (b[key] != b[key] and a[key] != a[key]), (step, key, b[key], a[key])
+                assert b[key] == a[key] == t[key] or (b[key] != b[key] and a[key] != a[key]), (
+                    step,
+                    key,
+                    b[key],
+                    a[key],
+                )
 
 
 def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().double() - b.detach().double()).norm())
 
 
-def assert_tensors_near_truth(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
-                              truth: dict[str, torch.Tensor], bound: Bound = FP32_TENSOR, what: str = "tensor") -> None:
+def assert_tensors_near_truth(
+    ours: dict[str, torch.Tensor],
+    ref: dict[str, torch.Tensor],
+    truth: dict[str, torch.Tensor],
+    bound: Bound = FP32_TENSOR,
+    what: str = "tensor",
+) -> None:
     """Per named tensor, as norms: ``|ours - truth| <= k |ref - truth| + floor |truth|``.
 
     Whole tensors, not elements: Adam normalises every update, so an element whose gradient is near zero can take
@@ -170,19 +218,28 @@ def assert_tensors_near_truth(ours: dict[str, torch.Tensor], ref: dict[str, torc
         limit = bound.limit(ref_err, float(t.detach().double().norm()))
         record(f"{what} {name}: |ours - f64| = {our_err:.3e}, |ref - f64| = {ref_err:.3e}, limit {limit:.3e}")
         if not our_err <= limit:
-            off.append(f"{name}: |ours - f64| = {our_err:.3e}, |ref - f64| = {ref_err:.3e}, limit {limit:.3e}")
+            off.append(
+                f"{name}: |ours - f64| = {our_err:.3e}, |ref - f64| = {ref_err:.3e}, limit {limit:.3e}"
+            )
     assert not off, f"{what}s farther from float64 than the reference allows:\n" + "\n".join(off)
 
 
-def assert_params_near_truth(ours: torch.nn.Module, ref: torch.nn.Module, truth: torch.nn.Module,
-                             bound: Bound = FP32_TENSOR) -> None:
+def assert_params_near_truth(
+    ours: torch.nn.Module, ref: torch.nn.Module, truth: torch.nn.Module, bound: Bound = FP32_TENSOR
+) -> None:
     """The trained parameters, tensor by tensor (see ``assert_tensors_near_truth``)."""
-    assert_tensors_near_truth(dict(ours.named_parameters()), dict(ref.named_parameters()),
-                              dict(truth.named_parameters()), bound, "parameter")
+    assert_tensors_near_truth(
+        dict(ours.named_parameters()),
+        dict(ref.named_parameters()),
+        dict(truth.named_parameters()),
+        bound,
+        "parameter",
+    )
 
 
-def assert_grads_near_truth(ours: torch.nn.Module, ref: torch.nn.Module, truth: torch.nn.Module,
-                            bound: Bound = FP32_TENSOR) -> None:
+def assert_grads_near_truth(
+    ours: torch.nn.Module, ref: torch.nn.Module, truth: torch.nn.Module, bound: Bound = FP32_TENSOR
+) -> None:
     """The gradients after one backward, tensor by tensor (see ``assert_tensors_near_truth``)."""
 
     def grads(model):
@@ -191,8 +248,9 @@ def assert_grads_near_truth(ours: torch.nn.Module, ref: torch.nn.Module, truth: 
     assert_tensors_near_truth(grads(ours), grads(ref), grads(truth), bound, "gradient")
 
 
-def assert_values_near_truth(what: str, ours: Sequence[float], ref: Sequence[float], truth: Sequence[float],
-                             bound: Bound) -> list[bool]:
+def assert_values_near_truth(
+    what: str, ours: Sequence[float], ref: Sequence[float], truth: Sequence[float], bound: Bound
+) -> list[bool]:
     """Per-item values (DPO's per-example reward margins), each within ``bound`` of the truth. Returns, per item,
     whether the truth is farther from zero than that bound: there ours has the truth's sign (it is within the bound
     of it), so a 0/1 metric thresholding the value at zero must agree with the truth's; elsewhere the sign is within
@@ -219,8 +277,18 @@ class Float64TrlHead:
     def __init__(self):
         self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def apply(self, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
-              logit_scale=1.0, outputs=("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")):
+    def apply(
+        self,
+        hidden,
+        weight,
+        bias,
+        targets,
+        temperature,
+        chunk_size,
+        final_logit_softcapping=None,
+        logit_scale=1.0,
+        outputs=("entropy", "log_sum_sq_probs", "mean_logits", "is_top1"),
+    ):
         hidden, weight = hidden.double(), weight.double()
         z = torch.nn.functional.linear(hidden, weight, None if bias is None else bias.double()) * logit_scale
         if final_logit_softcapping is not None:
@@ -232,7 +300,9 @@ class Float64TrlHead:
         others = z.detach().scatter(-1, targets[:, None], -math.inf)
         # argmax takes the first maximum: a tie with an earlier token is not a hit (TRL's and fasttrain's rule)
         margin = target_z - others.amax(-1)
-        scored = targets != 0  # off a GPU TRL scores every position, ignored ones with their label clamped to 0
+        scored = (
+            targets != 0
+        )  # off a GPU TRL scores every position, ignored ones with their label clamped to 0
         scale = hidden.detach().norm(dim=-1) * weight.detach().norm(dim=-1).max()
         self.calls.append((margin[scored], scale[scored]))
         entropy = -(log_p.exp() * log_p).sum(-1)

@@ -38,8 +38,12 @@ def _trainer(tmp_path, cls=fasttrain.Trainer, model=None, **arg_overrides):
 def clip_decision(tmp_path):
     """A Trainer holding a FusedAdamW, with Accelerator flags the test sets: (trainer, decide())."""
     trainer = _trainer(tmp_path)
-    trainer.optimizer = types.SimpleNamespace(optimizer=FusedAdamW(trainer.model.parameters()))  # Accelerate's wrap
-    trainer.accelerator = types.SimpleNamespace(distributed_type=DistributedType.NO, scaler=None, is_fsdp2=False)
+    trainer.optimizer = types.SimpleNamespace(
+        optimizer=FusedAdamW(trainer.model.parameters())
+    )  # Accelerate's wrap
+    trainer.accelerator = types.SimpleNamespace(
+        distributed_type=DistributedType.NO, scaler=None, is_fsdp2=False
+    )
     return trainer, lambda: clip_path._fused_clip_target(trainer, trainer.model, clipping=True)
 
 
@@ -54,7 +58,10 @@ def test_the_fused_clip_applies_on_a_plain_run(clip_decision):
         # DeepSpeed is decided once, at construction (its clip hook is never installed): tests/test_deepspeed.py
         (dict(distributed_type=DistributedType.FSDP), "FSDP1 clips through its own wrapper"),
         (dict(scaler=object()), "fp16 GradScaler: Accelerate unscales the gradients before clipping"),
-        (dict(distributed_type=DistributedType.XLA), "distributed type XLA is not supported by the fused clip"),
+        (
+            dict(distributed_type=DistributedType.XLA),
+            "distributed type XLA is not supported by the fused clip",
+        ),
     ],
 )
 def test_the_clip_falls_back_where_accelerate_clips_its_own_way(clip_decision, flags, reason):
@@ -90,8 +97,11 @@ class _GradNormProbe(transformers.TrainerCallback):
 def test_a_callback_reading_gradients_sees_them_clipped_as_under_transformers(tmp_path, caplog):
     probes = []
     # the reference, the float64 truth (the reference on a float64 twin), then fasttrain
-    runs = [(transformers.Trainer, None), (transformers.Trainer, _truth.float64_twin(tiny.model("llama"))),
-            (fasttrain.Trainer, None)]
+    runs = [
+        (transformers.Trainer, None),
+        (transformers.Trainer, _truth.float64_twin(tiny.model("llama"))),
+        (fasttrain.Trainer, None),
+    ]
     for index, (cls, model) in enumerate(runs):
         trainer = _trainer(tmp_path / str(index), cls, model=model, max_grad_norm=0.01)
         probes.append(_GradNormProbe())
@@ -105,7 +115,8 @@ def test_a_callback_reading_gradients_sees_them_clipped_as_under_transformers(tm
         _truth.assert_scalar_near_truth(f"step {step} clipped gradient norm", b, a, t, _truth.FP32_STEP)
     assert trainer.fasttrain_status["clip"] == (
         "off: callback _GradNormProbe.on_pre_optimizer_step reads gradients between the clip and the step"
-        if tiny.FUSED_CLIP else tiny.all_on_status()["clip"]
+        if tiny.FUSED_CLIP
+        else tiny.all_on_status()["clip"]
     )
     assert trainer.fasttrain_status["optimizer"] == "on"
     status_lines = [r for r in caplog.records if "fasttrain hot paths" in r.getMessage()]
@@ -152,14 +163,17 @@ def test_optimizer_blockers(tmp_path, monkeypatch):
     trainer.train()
     assert trainer.fasttrain_status["optimizer"] == "off: optim=sgd is not an AdamW fasttrain replaces"
     assert trainer.fasttrain_status["clip"] in (
-        "off: the optimizer is not fasttrain's FusedAdamW", tiny.all_on_status()["clip"]
+        "off: the optimizer is not fasttrain's FusedAdamW",
+        tiny.all_on_status()["clip"],
     )
     assert type(trainer.optimizer.optimizer) is torch.optim.SGD
 
     tok = tiny.tokenizer()
     trainer = fasttrain.Trainer(
-        model=tiny.model("llama"), args=tiny.training_args(str(tmp_path / "given"), max_steps=1),
-        train_dataset=tiny.dataset(), data_collator=transformers.DataCollatorForSeq2Seq(tok, padding=True),
+        model=tiny.model("llama"),
+        args=tiny.training_args(str(tmp_path / "given"), max_steps=1),
+        train_dataset=tiny.dataset(),
+        data_collator=transformers.DataCollatorForSeq2Seq(tok, padding=True),
         optimizer_cls_and_kwargs=(torch.optim.AdamW, {"lr": 1e-3}),
     )
     trainer.train()
@@ -197,7 +211,10 @@ def test_optim_args_reach_fused_adamw(tmp_path, monkeypatch):
     [
         # in the user's words: the value typed, the values that exist, the optim by its name
         ("state_dtype=9bit", r"optim_args: state_dtype='9bit': use param \(.*\), float32 or 8bit$"),
-        ("betas2=0.9", r"optim_args: 'betas2' is not an option of fasttrain's AdamW \(optim='adamw_torch_fused'\)"),
+        (
+            "betas2=0.9",
+            r"optim_args: 'betas2' is not an option of fasttrain's AdamW \(optim='adamw_torch_fused'\)",
+        ),
         ("backend=cuda", r"optim_args: backend='cuda': backend: backend must be one of"),
     ],
 )
@@ -225,7 +242,9 @@ def test_an_unsupported_model_is_reported_once(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="fasttrain"):
         trainer = _trainer(tmp_path, model=transformers.GPT2LMHeadModel(config))
         trainer.train()
-    assert trainer.fasttrain_status["loss"].startswith("off: GPT2LMHeadModel is not a causal LM the fused loss knows")
+    assert trainer.fasttrain_status["loss"].startswith(
+        "off: GPT2LMHeadModel is not a causal LM the fused loss knows"
+    )
     mentions = [r for r in caplog.records if "GPT2LMHeadModel" in r.getMessage()]
     assert len(mentions) == 1 and mentions[0].levelno == logging.WARNING
 
@@ -254,8 +273,10 @@ def test_a_fallback_decided_after_the_status_line_is_logged_once(tmp_path, caplo
 def test_switched_off_paths_are_not_fallbacks(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="fasttrain"):
         trainer = fasttrain.Trainer(
-            model=tiny.model("llama"), args=tiny.training_args(str(tmp_path), max_steps=1),
-            train_dataset=tiny.dataset(), data_collator=transformers.DataCollatorForSeq2Seq(tiny.tokenizer()),
+            model=tiny.model("llama"),
+            args=tiny.training_args(str(tmp_path), max_steps=1),
+            train_dataset=tiny.dataset(),
+            data_collator=transformers.DataCollatorForSeq2Seq(tiny.tokenizer()),
             hot_paths=HotPaths(optimizer=False),
         )
         trainer.train()

@@ -48,7 +48,9 @@ def _eval_loss(model, dataset, tmp_path, fused: bool) -> float:
     return loss
 
 
-@pytest.mark.parametrize(("mask_every", "label"), [(None, "none masked"), (2, "half the batches"), (1, "all")])
+@pytest.mark.parametrize(
+    ("mask_every", "label"), [(None, "none masked"), (2, "half the batches"), (1, "all")]
+)
 def test_eval_loss_equals_transformers(mask_every, label, tmp_path):
     base = _tiny.model("llama")
     dataset = _eval_dataset(mask_every)

@@ -571,7 +571,9 @@ def test_accelerate_wrapped_optimizer():
         assert_truth(norm, ref_norm, truth_norm, **NORM_FP32, what=f"norm at step {step}")
         for o in (opt, ref, truth):
             o.step()
-    assert_tracks_truth(list(model.parameters()), list(ref_model.parameters()), list(truth_model.parameters()), **TRACK)
+    assert_tracks_truth(
+        list(model.parameters()), list(ref_model.parameters()), list(truth_model.parameters()), **TRACK
+    )
     sd = opt.state_dict()
     opt.load_state_dict(sd)
     assert float(opt.optimizer.state[next(model.parameters())]["step"]) == 5

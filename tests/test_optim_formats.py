@@ -68,7 +68,9 @@ def test_blockwise8_round_trip(signed, numel):
     if not signed:
         x = x.abs()
     codes, absmax = blockwise8.empty_state(x, signed)
-    assert torch.equal(blockwise8.dequantize(codes, absmax, signed), torch.zeros(numel))  # fresh state is zero
+    assert torch.equal(
+        blockwise8.dequantize(codes, absmax, signed), torch.zeros(numel)
+    )  # fresh state is zero
     blockwise8.quantize_(x, codes, absmax, signed)
     assert absmax.shape == ((numel + 255) // 256,)
     y = blockwise8.dequantize(codes, absmax, signed)
@@ -77,7 +79,9 @@ def test_blockwise8_round_trip(signed, numel):
     blocks = torch.nn.functional.pad(x, (0, (-numel) % 256)).view(-1, 256)
     assert torch.equal(absmax, blocks.abs().amax(1))
     scale = absmax.double().repeat_interleave(256)[:numel]
-    entries = blockwise8.tables(torch.device("cpu"))[blockwise8.SIGNED if signed else blockwise8.UNSIGNED].double()
+    entries = blockwise8.tables(torch.device("cpu"))[
+        blockwise8.SIGNED if signed else blockwise8.UNSIGNED
+    ].double()
     best = ((x.double() / scale)[:, None] - entries[None, :]).abs().amin(1) * scale
     assert ((y.double() - x.double()).abs() <= best + 4 * torch.finfo(torch.float32).eps * scale).all()
     if signed:

@@ -96,7 +96,9 @@ def test_default_matches_torch_fused(dtype):
 def test_amsgrad_maximize_tensor_lr():
     ours_p = make_params(SMALL_SHAPES[2:5])
     ref_p = clone_params(ours_p)
-    ours = FusedAdamW(ours_p, lr=torch.tensor(1e-2, device=DEVICE), amsgrad=True, maximize=True, backend="triton")
+    ours = FusedAdamW(
+        ours_p, lr=torch.tensor(1e-2, device=DEVICE), amsgrad=True, maximize=True, backend="triton"
+    )
     ref = torch.optim.AdamW(ref_p, lr=1e-2, amsgrad=True, maximize=True, fused=True)
     truth = truth_of(ours_p, groups=None, lr=1e-2, amsgrad=True, maximize=True)
     # shrinking gradients make max_exp_avg_sq differ from exp_avg_sq
@@ -144,8 +146,12 @@ def test_matches_torch_backend(dtype, state_dtype, sr, amsgrad):
                 [blockwise8.dequantize(o.state[p][f"{name}_codes"], o.state[p][f"{name}_absmax"], signed) for p in quantized]
                 for o, quantized in ((oa, quantized), (ob, [q for q in b if q.numel() >= MIN_8BIT]))
             ]  # fmt: skip
-            truth_moments = [truth[0].state[t][name] for t, p in zip(truth[1], a, strict=True) if p.numel() >= MIN_8BIT]
-            assert_tracks_truth(*moments, truth_moments, k=2.0, ulps=0.5 * 2**-8 / torch.finfo(torch.float32).eps, what=name)
+            truth_moments = [
+                truth[0].state[t][name] for t, p in zip(truth[1], a, strict=True) if p.numel() >= MIN_8BIT
+            ]
+            assert_tracks_truth(
+                *moments, truth_moments, k=2.0, ulps=0.5 * 2**-8 / torch.finfo(torch.float32).eps, what=name
+            )
 
 
 @pytest.mark.parametrize("state_dtype", [None, "8bit"])

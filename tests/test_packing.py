@@ -218,7 +218,9 @@ def test_collator_and_model_problems_name_the_cause():
     masked = transformers.DataCollatorForLanguageModeling(tok, mlm=False)
     masked.mlm = True  # the tiny tokenizer has no mask token to construct one with
     assert "mlm=True" in packing_policy.collator_problem(masked)
-    assert "already makes padding-free" in packing_policy.collator_problem(transformers.DataCollatorWithFlattening())
+    assert "already makes padding-free" in packing_policy.collator_problem(
+        transformers.DataCollatorWithFlattening()
+    )
     assert "not a padding collator" in packing_policy.collator_problem(transformers.default_data_collator)
     assert packing_policy.model_problem(tiny.model("llama")) is None
     gpt2 = transformers.GPT2LMHeadModel(
@@ -292,7 +294,10 @@ def test_cost_keeps_near_equal_lengths_padded_under_a_dense_mask():
     """sdpa/eager attend over the packed row's dense [T, T] mask: B equal rows would cost B times the padded
     attention for no token saved. Flash attention and flex skip the pairs between examples."""
     config = tiny.model("llama").config
-    dense, varlen = packing_policy.PackingCost(config, "sdpa"), packing_policy.PackingCost(config, "flash_attention_2")
+    dense, varlen = (
+        packing_policy.PackingCost(config, "sdpa"),
+        packing_policy.PackingCost(config, "flash_attention_2"),
+    )
     equal = np.array([30, 30, 29, 30])
     assert not dense.worth_it(4, 30, equal) and varlen.worth_it(4, 30, equal)
     skewed = np.array([40, 3, 4, 2])  # most of the padded batch is padding

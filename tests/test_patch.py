@@ -59,8 +59,9 @@ def test_patched_trainer_looks_like_the_reference(tmp_path, disable_tqdm, with_c
         tok = tiny.tokenizer()
         trainer = transformers.Trainer(
             model=tiny.model("llama"),
-            args=tiny.training_args(str(out), max_steps=2, save_strategy="steps", save_steps=2,
-                                    disable_tqdm=disable_tqdm),
+            args=tiny.training_args(
+                str(out), max_steps=2, save_strategy="steps", save_steps=2, disable_tqdm=disable_tqdm
+            ),
             train_dataset=tiny.dataset(),
             data_collator=transformers.DataCollatorForSeq2Seq(tok, padding=True),
             processing_class=tok,
@@ -109,8 +110,14 @@ def test_unmodified_script_gets_every_hot_path(tmp_path):
     ours = _train_plain(tmp_path, "ours")
     assert type(ours) is transformers.Trainer
     assert ours.fasttrain_status == tiny.all_on_status()
-    _truth.assert_logs_near_truth(ours, ref, truth, _truth.FP32_STEP, keys=("loss", "grad_norm"),
-                                  abs_floor={"loss": tiny.LOGGED_LOSS_ABS})
+    _truth.assert_logs_near_truth(
+        ours,
+        ref,
+        truth,
+        _truth.FP32_STEP,
+        keys=("loss", "grad_norm"),
+        abs_floor={"loss": tiny.LOGGED_LOSS_ABS},
+    )
 
 
 def test_fasttrain_trainer_under_patch_is_not_doubled(tmp_path, caplog):

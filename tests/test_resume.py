@@ -57,8 +57,12 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     ref = _trainer(transformers.Trainer, out)
     ref.train()
-    truth = _trainer(transformers.Trainer, tmp_path_factory.mktemp("truth"),
-                     model=_truth.float64_twin(tiny.model("llama")), save_strategy="no")
+    truth = _trainer(
+        transformers.Trainer,
+        tmp_path_factory.mktemp("truth"),
+        model=_truth.float64_twin(tiny.model("llama")),
+        save_strategy="no",
+    )
     truth.train()
     return out, ref.model, truth.model
 
@@ -102,8 +106,7 @@ def test_optimizer_state_loads_into_torch_adamw(uninterrupted, tmp_path):
 
 def test_sigkill_after_checkpoint_then_resume(tmp_path):
     env = dict(os.environ)
-    cmd = [sys.executable, str(SCRIPT), str(tmp_path), "--save-steps", "3",
-           "--kill-at-save", "3"]
+    cmd = [sys.executable, str(SCRIPT), str(tmp_path), "--save-steps", "3", "--kill-at-save", "3"]
     # per_device_train_batch_size differs from the fixture's run: compare against a run of the same script
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
@@ -111,12 +114,20 @@ def test_sigkill_after_checkpoint_then_resume(tmp_path):
     assert not (tmp_path / "result-rank0.json").exists()
     resumed = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path), "--resume", str(tmp_path / "checkpoint-3")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     straight = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path / "straight")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert straight.returncode == 0, straight.stderr[-3000:]
     a = torch.load(tmp_path / "final-rank0.pt", weights_only=True)

@@ -132,7 +132,9 @@ def test_status_says_what_ran(entry, case, seen, tmp_path, monkeypatch):
             "off: the optimizer hot path is switched off",
             tiny.all_on_status()["clip"],
         ), status
-    if not tiny.PACKING:  # transformers < 5 counts num_items_in_batch over unshifted labels: batches stay padded
+    if (
+        not tiny.PACKING
+    ):  # transformers < 5 counts num_items_in_batch over unshifted labels: batches stay padded
         off.add("packing")
         assert status["packing"] in ("off: switched off", tiny.all_on_status()["packing"]), status
     assert {path for path, did_run in ran.items() if not did_run} == off, (status, dict(seen))

@@ -38,7 +38,9 @@ def test_a_later_post_hook_survives_the_first_step(trainer):
     _give_gradients(trainer.model)
     optimizer.step()
     optimizer.step()
-    assert later == [optimizer, optimizer], "the post-hook registered after fasttrain's did not run every step"
+    assert later == [optimizer, optimizer], (
+        "the post-hook registered after fasttrain's did not run every step"
+    )
     assert trainer.fasttrain_status["optimizer"] == "on"
 
 

@@ -47,7 +47,9 @@ def test_a_bf16_model_holds_the_reference_optimizer_memory(tmp_path):
     ours = _train_bf16(fasttrain.Trainer, tmp_path / "ours")
     assert ours.fasttrain_status["optimizer"] == "on"
     assert _state_bytes(ours) == _state_bytes(ref) > 0
-    moments = [t for s in ours.optimizer.optimizer.state.values() for k, t in s.items() if k.startswith("exp_avg")]
+    moments = [
+        t for s in ours.optimizer.optimizer.state.values() for k, t in s.items() if k.startswith("exp_avg")
+    ]
     assert {t.dtype for t in moments} == {torch.bfloat16}
 
 
@@ -55,7 +57,9 @@ def test_a_bf16_model_holds_the_reference_optimizer_memory(tmp_path):
 def test_8bit_states_on_request_without_changing_the_script(tmp_path, monkeypatch, entry):
     ref = _train_bf16(transformers.Trainer, tmp_path / "ref")
     if entry == "optim_args":
-        ours = _train_bf16(fasttrain.Trainer, tmp_path / "ours", optim_args="state_dtype=8bit,min_8bit_size=256")
+        ours = _train_bf16(
+            fasttrain.Trainer, tmp_path / "ours", optim_args="state_dtype=8bit,min_8bit_size=256"
+        )
     else:
         monkeypatch.setenv("FASTTRAIN_OPTIM_ARGS", "state_dtype=8bit,min_8bit_size=256")
         fasttrain.patch()

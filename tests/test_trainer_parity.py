@@ -63,7 +63,10 @@ def test_no_clipping_and_random_sampler(tmp_path):
     ours = _train(fasttrain.Trainer, "llama", tmp_path, **common)
     _compare(ref, ours, _train(None, "llama", tmp_path, truth=True, **common))
     assert ours.fasttrain_status["sampler"] == "off: group_by_length is not set"
-    assert ours.fasttrain_status["clip"] in ("off: max_grad_norm=0.0: no clipping", tiny.all_on_status()["clip"])
+    assert ours.fasttrain_status["clip"] in (
+        "off: max_grad_norm=0.0: no clipping",
+        tiny.all_on_status()["clip"],
+    )
 
 
 def test_every_hot_path_switched_off_is_the_reference(tmp_path, monkeypatch):
@@ -79,8 +82,14 @@ def test_every_hot_path_switched_off_is_the_reference(tmp_path, monkeypatch):
 @pytest.mark.parametrize("off", HotPaths.names())
 def test_each_hot_path_switches_off_alone(off, tmp_path):
     paths = HotPaths(**{off: False})
-    ours = _train(fasttrain.Trainer, "llama", tmp_path, hot_paths=paths, max_steps=2,
-                  train_sampling_strategy="group_by_length")
+    ours = _train(
+        fasttrain.Trainer,
+        "llama",
+        tmp_path,
+        hot_paths=paths,
+        max_steps=2,
+        train_sampling_strategy="group_by_length",
+    )
     expected = {**tiny.all_on_status(), off: "off: switched off"}
     if off == "optimizer":
         expected["clip"] = "off: the optimizer hot path is switched off"
@@ -93,8 +102,9 @@ def test_bf16_close_to_reference(tmp_path):
     ref = _train(transformers.Trainer, "llama", tmp_path, bf16=True)
     ours = _train(fasttrain.Trainer, "llama", tmp_path, bf16=True)
     truth = _train(None, "llama", tmp_path, truth=True, bf16=False)
-    _truth.assert_logs_near_truth(ours, ref, truth, _truth.BF16_STEP, keys=("loss", "grad_norm"),
-                                  abs_floor=LOG_FLOOR)
+    _truth.assert_logs_near_truth(
+        ours, ref, truth, _truth.BF16_STEP, keys=("loss", "grad_norm"), abs_floor=LOG_FLOOR
+    )
 
 
 def test_user_collate_function_is_kept(tmp_path):
@@ -121,8 +131,11 @@ def test_prediction_loss_only_evaluation_matches(tmp_path, monkeypatch):
     )
     tok = tiny.tokenizer()
     results = []
-    runs = [(transformers.Trainer, tiny.model("llama")), (fasttrain.Trainer, tiny.model("llama")),
-            (transformers.Trainer, _truth.float64_twin(tiny.model("llama")))]
+    runs = [
+        (transformers.Trainer, tiny.model("llama")),
+        (fasttrain.Trainer, tiny.model("llama")),
+        (transformers.Trainer, _truth.float64_twin(tiny.model("llama"))),
+    ]
     for index, (cls, model) in enumerate(runs):
         trainer = cls(
             model=model,
@@ -158,9 +171,11 @@ def test_model_init_and_gradient_checkpointing(tmp_path):
     common = dict(max_steps=3, gradient_checkpointing=True)
     tok = tiny.tokenizer()
     runs = []
-    for cls, init in ((transformers.Trainer, lambda: tiny.model("llama")),
-                      (fasttrain.Trainer, lambda: tiny.model("llama")),
-                      (transformers.Trainer, lambda: _truth.float64_twin(tiny.model("llama")))):
+    for cls, init in (
+        (transformers.Trainer, lambda: tiny.model("llama")),
+        (fasttrain.Trainer, lambda: tiny.model("llama")),
+        (transformers.Trainer, lambda: _truth.float64_twin(tiny.model("llama"))),
+    ):
         trainer = cls(
             model_init=init,  # no argument: the Trainer would pass it a trial
             args=tiny.training_args(str(tmp_path / f"{cls.__module__}-{len(runs)}"), **common),
@@ -175,8 +190,9 @@ def test_model_init_and_gradient_checkpointing(tmp_path):
     from fasttrain.loss.model_patch import fused_loss_enabled
 
     assert fused_loss_enabled(ours.model)
-    _truth.assert_logs_near_truth(ours, ref, truth, _truth.FP32_STEP, keys=("loss", "grad_norm"),
-                                  abs_floor=LOG_FLOOR)
+    _truth.assert_logs_near_truth(
+        ours, ref, truth, _truth.FP32_STEP, keys=("loss", "grad_norm"), abs_floor=LOG_FLOOR
+    )
 
 
 @pytest.mark.slow

@@ -340,10 +340,7 @@ def test_reasons_and_disable(tmp_path, monkeypatch):
         warnings.simplefilter("ignore")
         trainer = _sft_factory(tmp_path)()
     monkeypatch.setattr(trl, "__version__", "1.15.0")
-    assert (
-        "TRL 1.15.0: fasttrain serves TRL's fused LM head for TRL >= 1.16"
-        in loss_trl.enable(trainer)
-    )
+    assert "TRL 1.15.0: fasttrain serves TRL's fused LM head for TRL >= 1.16" in loss_trl.enable(trainer)
     monkeypatch.delattr(trl_utils, "add_fused_lm_head")  # as in TRL releases before the fused head
     assert "has no fused LM head" in loss_trl.enable(trainer)
     monkeypatch.undo()

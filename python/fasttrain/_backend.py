@@ -47,7 +47,9 @@ def resolve_backend(backend: str, device: torch.device, where: str) -> str:
         return "triton" if device.type == "cuda" and triton_importable() else "torch"
     if backend == "triton":
         if not triton_importable():
-            raise ValueError(f"{where}: backend='triton' needs the triton package, which does not import here")
+            raise ValueError(
+                f"{where}: backend='triton' needs the triton package, which does not import here"
+            )
         if device.type != "cuda" and not triton_interpreting():
             raise ValueError(
                 f"{where}: backend='triton' on a {device.type} tensor needs the Triton interpreter: set "
