@@ -30,17 +30,19 @@ Runs, one after the other in the same processes (one launch):
 - ``fasttrain-save`` / ``fasttrain-resume``: sharded checkpoints (SHARDED_STATE_DICT) at step SAVE_STEP, then
   resumed from it.
 - ``reshard-<layout>-<state>`` and ``reshard-<layout>-<state>-from-<source>``: a sharded checkpoint resumed at
-  another world size or mesh. The layouts are ``full2`` (full shard, 2 processes), ``full4`` (4) and ``hybrid4``
-  (a 2 x 2 mesh, 4 processes); the states FusedAdamW's ``state_dtype``s (``param``: None, ``float32``,
-  ``8bit``). ``reshard-<layout>-<state>`` trains RESHARD_STEPS steps uninterrupted and saves at
-  RESHARD_SAVE_STEP; ``...-from-<source>`` resumes at <layout> from ``reshard-<source>-<state>``'s checkpoint
-  (in the same OUT, written by an earlier launch of the source's world size). All keep the global batch: 8 rows
+  another world size, mesh or offload policy. The layouts are ``full2`` (full shard, 2 processes), ``full4`` (4),
+  ``hybrid4`` (a 2 x 2 mesh, 4 processes) and ``offload2`` (full shard with CPU offload, 2 processes); the states
+  FusedAdamW's ``state_dtype``s (``param``: None, ``float32``, ``8bit``). ``reshard-<layout>-<state>`` trains
+  RESHARD_STEPS steps uninterrupted and saves at RESHARD_SAVE_STEP; ``...-from-<source>`` resumes at <layout> from
+  ``reshard-<source>-<state>``'s checkpoint (in the same OUT, written by an earlier run: an earlier launch for
+  another world size; <source> may be <layout> itself). All keep the global batch: 8 rows
   per micro-step over the ranks (2 x 4 or 4 x 2), 2 accumulation steps, random order (no length grouping), so
   every layout trains on the same examples at each optimizer step.
 
 Each writes OUT/<run>-rank<R>.json: the logged loss and grad_norm per step, the rows each rank trained on per
 epoch, the hot-path status, and detectors (FSDP2 unshards of the lm_head's group per forward, lm_head calls, the
-optimizer's class, state and parameter types). A run that raises writes its error instead.
+optimizer's class, state and parameter types, the placements of its DTensor states, how many FSDP2 parameters
+fully_shard offloads to the CPU). A run that raises writes its error instead.
 """
 
 from __future__ import annotations
@@ -68,8 +70,13 @@ RESHARD_SAVE_STEP = 2
 RESHARD_GLOBAL_BATCH = 8  # rows per micro-step over all ranks
 RESHARD_ACCUMULATION = 2
 RESHARD_ROWS = RESHARD_STEPS * RESHARD_GLOBAL_BATCH * RESHARD_ACCUMULATION  # one epoch
-# layout -> (processes, hybrid)
-LAYOUTS = {"full2": (2, False), "full4": (4, False), "hybrid4": (4, True)}
+# layout -> (processes, hybrid, CPU offload)
+LAYOUTS = {
+    "full2": (2, False, False),
+    "full4": (4, False, False),
+    "hybrid4": (4, True, False),
+    "offload2": (2, False, True),
+}
 STATE_DTYPES = ("param", "float32", "8bit")  # FusedAdamW's state_dtype: None, "float32", "8bit"
 
 
@@ -122,15 +129,14 @@ RUNS = {
     "reference-hybrid": _run(patched=False, hybrid=True),
     "fasttrain-hybrid": _run(hybrid=True),
 }
-for _layout, (_world, _hybrid) in LAYOUTS.items():
+for _layout, (_world, _hybrid, _offload) in LAYOUTS.items():
     for _state in STATE_DTYPES:
-        _common = dict(optim_args=f"state_dtype={_state}", hybrid=_hybrid, world=_world)
+        _common = dict(optim_args=f"state_dtype={_state}", hybrid=_hybrid, offload=_offload, world=_world)
         RUNS[reshard_run(_layout, _state)] = _run(save=True, **_common)
         for _source in LAYOUTS:
-            if _source != _layout:
-                RUNS[reshard_run(_layout, _state, _source)] = _run(
-                    resume=True, source=reshard_run(_source, _state), **_common
-                )
+            RUNS[reshard_run(_layout, _state, _source)] = _run(
+                resume=True, source=reshard_run(_source, _state), **_common
+            )
 
 
 def _cpu_offload_without_pinning() -> None:
@@ -200,6 +206,18 @@ class UnshardCounter:
 
 def _fqns(group) -> list[str]:
     return [p._param_fqn or "" for p in group.fsdp_params]
+
+
+def _fsdp_params(model: torch.nn.Module) -> list:
+    """The FSDP2 parameters (``FSDPParam``) of every ``fully_shard`` unit of the model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    params = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            params += group.fsdp_params if group is not None else []
+    return params
 
 
 def _mesh(params) -> dict:
@@ -300,8 +318,20 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
         "param_types": sorted({type(p).__name__ for p in params}),
         "state_types": sorted({type(v).__name__ for s in inner.state.values() for v in s.values()}),
         "state_keys": sorted({f"{k}:{str(v.dtype)[6:]}" for s in inner.state.values() for k, v in s.items()}),
+        # the placements of the DTensor states (moments, 8-bit codes and absmax), by key
+        "state_placements": sorted(
+            {
+                f"{k}:{','.join(str(pl) for pl in v.placements)}"
+                for s in inner.state.values()
+                for k, v in s.items()
+                if hasattr(v, "placements")
+            }
+        ),
         "weights_device": str(next(trainer.model.parameters()).device),
         "offload_policy": type(trainer.accelerator.state.fsdp_plugin.cpu_offload).__name__,
+        # fully_shard's own record of the policy: each FSDPParam's shard kept on (and stepped on) the CPU
+        "fsdp_params": len(_fsdp_params(trainer.model)),
+        "offloaded_params": sum(p.offload_to_cpu for p in _fsdp_params(trainer.model)),
         "mesh": _mesh(params),
         "checkpoint_files": sorted(os.listdir(checkpoint)) if spec["save"] else None,
     }
