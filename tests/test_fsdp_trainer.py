@@ -16,8 +16,11 @@ shard on 4 (a 2 x 2 mesh; also full shard on 4) and the 2-process resumes of the
   and absmax DTensors on the shards, tests/test_optim_fsdp_8bit.py checks them against the unsharded optimizer
   and across world sizes);
 - a sharded checkpoint saved at one world size or mesh resumes at another (2 -> 4 and 4 -> 2 processes, full
-  shard <-> hybrid shard) to the uninterrupted run's losses and grad norms, for every FusedAdamW state_dtype,
-  within the spread between uninterrupted runs at the two layouts.
+  shard <-> hybrid shard at 2 and 4 processes, full shard <-> CPU offload at 4 and 2) to the uninterrupted run's
+  losses and grad norms, for every FusedAdamW state_dtype, within the spread between uninterrupted runs at the two
+  layouts; an offloaded run's checkpoint resumes offloaded the same way;
+- 8-bit moments under hybrid shard and CPU offload: codes and absmax DTensors placed like the parameter, training
+  as under full shard to the reduction order.
 """
 
 from __future__ import annotations
@@ -46,10 +49,23 @@ RESHARD_STEPS = 4
 RESHARD_SAVE_STEP = 2
 RESHARD_GLOBAL_BATCH = 8
 RESHARD_ACCUMULATION = 2
-RESHARD_LAYOUTS = {"full2": 2, "full4": 4, "hybrid4": 4}  # layout -> processes (hybrid4: a 2 x 2 mesh)
+# layout -> processes (hybrid4: a 2 x 2 mesh; offload2: full shard with FSDP2's CPU offload policy)
+RESHARD_LAYOUTS = {"full2": 2, "full4": 4, "hybrid4": 4, "offload2": 2}
 STATE_DTYPES = ("param", "float32", "8bit")  # state_dtype None (the parameter's dtype), "float32", "8bit"
-# (source, target): 2 -> 4 and 4 -> 2 processes, and full shard <-> hybrid shard
-RESHARDS = [("full2", "full4"), ("full4", "full2"), ("full2", "hybrid4"), ("hybrid4", "full2")]
+# (source, target): 2 -> 4 and 4 -> 2 processes, full shard <-> hybrid shard (2 -> 4, 4 -> 2 and at 4 processes),
+# and full shard <-> CPU offload (an offloaded checkpoint resumed at 4 processes, a 4-process one resumed offloaded)
+RESHARDS = [
+    ("full2", "full4"),
+    ("full4", "full2"),
+    ("full2", "hybrid4"),
+    ("hybrid4", "full2"),
+    ("full4", "hybrid4"),
+    ("hybrid4", "full4"),
+    ("offload2", "full4"),
+    ("full4", "offload2"),
+]
+# (source, target) at the same layout: an offloaded run's checkpoint resumed offloaded
+RESUMES_IN_PLACE = [("offload2", "offload2")]
 
 
 def reshard_run(layout: str, state: str, source: str | None = None) -> str:
@@ -67,10 +83,11 @@ def _saves(processes: int) -> list[str]:
 
 
 def _resumes(processes: int) -> list[str]:
-    """The reshard- resumes at the layouts with this many processes (of checkpoints saved at another)."""
+    """The reshard- resumes at the layouts with this many processes (of checkpoints saved at another, or in
+    place)."""
     return [
         reshard_run(target, state, source)
-        for source, target in RESHARDS
+        for source, target in RESHARDS + RESUMES_IN_PLACE
         if RESHARD_LAYOUTS[target] == processes
         for state in STATE_DTYPES
     ]
@@ -188,6 +205,12 @@ def _hybrid(run: str) -> bool:
     return run.endswith("-hybrid")
 
 
+def _offloaded(run: str) -> bool:
+    if run.startswith("reshard-"):
+        return run.split("-")[1] == "offload2"
+    return run.endswith("-offload")
+
+
 def test_fsdp_needs_the_harness_on_cpu(launched):
     # the facts the harness works around, checked so that a transformers/Accelerate that runs FSDP on CPU
     # by itself shows up here (the harness can then go)
@@ -220,9 +243,10 @@ def test_runs_are_fsdp2_on_a_cpu_mesh(launched, layout):
             assert r["model_class"].startswith("FSDP") and r["param_types"] == ["DTensor"], name
             assert r["weights_device"] == "cpu" and r["mesh"]["device_type"] == "cpu"
             assert r["weights_dtype"] == ("torch.float64" if name.startswith("truth") else "torch.float32")
-            assert r["offload_policy"] == (
-                "CPUOffloadPolicy" if name.endswith("-offload") else "OffloadPolicy"
-            )
+            assert r["offload_policy"] == ("CPUOffloadPolicy" if _offloaded(name) else "OffloadPolicy"), name
+            # and fully_shard offloaded every parameter of an offloaded run, none of another's
+            assert r["fsdp_params"] > 0
+            assert r["offloaded_params"] == (r["fsdp_params"] if _offloaded(name) else 0), name
             if _hybrid(name):  # replicated over one mesh dimension, sharded over the other
                 assert r["mesh"]["shape"] == [2, procs // 2] and r["mesh"]["placements"] == ["R", "S(0)"], r[
                     "mesh"
@@ -381,7 +405,7 @@ def test_every_layout_trains_on_the_same_examples_per_step(launched, state):
     assert sorted(row for step in rows["full2"] for row in step) == list(
         range(RESHARD_STEPS * RESHARD_ACCUMULATION * RESHARD_GLOBAL_BATCH)
     )
-    assert rows["full4"] == rows["full2"] == rows["hybrid4"]
+    assert all(rows[layout] == rows["full2"] for layout in RESHARD_LAYOUTS), rows
     # and the first step (the same weights, the same examples) logs the same loss and grad norm to the fp32
     # reduction order
     first = {layout: results[0]["logs"][0] for layout, results in runs.items()}
@@ -393,6 +417,18 @@ def test_every_layout_trains_on_the_same_examples_per_step(launched, state):
 @pytest.mark.parametrize("source,target", RESHARDS, ids=[f"{s}-to-{t}" for s, t in RESHARDS])
 @pytest.mark.parametrize("state", STATE_DTYPES)
 def test_sharded_checkpoint_resumes_at_another_world_size(launched, state, source, target):
+    _resumes_as_the_uninterrupted_run(launched, state, source, target)
+
+
+@pytest.mark.parametrize("source,target", RESUMES_IN_PLACE, ids=[f"{s}-to-{t}" for s, t in RESUMES_IN_PLACE])
+@pytest.mark.parametrize("state", STATE_DTYPES)
+def test_offloaded_sharded_checkpoint_resumes_offloaded(launched, state, source, target):
+    # the same checks; the uninterrupted run at the target layout is the uninterrupted run itself (no spread): the
+    # resume must give its losses and grad norms to the float32 units of their own rounding
+    _resumes_as_the_uninterrupted_run(launched, state, source, target)
+
+
+def _resumes_as_the_uninterrupted_run(launched, state: str, source: str, target: str) -> None:
     uninterrupted = _reshard_results(launched, reshard_run(source, state))
     other = _reshard_results(launched, reshard_run(target, state))  # uninterrupted at the target layout
     resumed = _reshard_results(launched, reshard_run(target, state, source))
@@ -425,3 +461,22 @@ def test_sharded_checkpoint_resumes_at_another_world_size(launched, state, sourc
                     f"(bound {bound:.3e}; the layouts' spread {spread:.3e})"
                 )
     assert not off, "\n".join(off)
+
+
+@pytest.mark.parametrize("layout", ["hybrid4", "offload2"])
+def test_8bit_states_on_hybrid_and_offloaded_shards(launched, layout):
+    ours = _reshard_results(launched, reshard_run(layout, "8bit"))
+    full = _reshard_results(launched, reshard_run("full2", "8bit"))
+    # the embedding and lm_head quantized on their shards: codes and absmax DTensors, placed like the parameters
+    # (on the hybrid mesh replicated over one dimension, sharded over the other)
+    assert {"exp_avg_codes:uint8", "exp_avg_absmax:float32", "exp_avg:float32"} <= set(ours[0]["state_keys"])
+    assert ours[0]["state_keys"] == full[0]["state_keys"]
+    assert ours[0]["state_types"] == ["DTensor", "Tensor"]
+    placements = ",".join(ours[0]["mesh"]["placements"])
+    assert {p.split(":")[0] for p in ours[0]["state_placements"]} >= {"exp_avg_codes", "exp_avg_absmax"}
+    assert {p.split(":")[1] for p in ours[0]["state_placements"]} == {placements}, ours[0]["state_placements"]
+    # and they train as 8-bit moments under full shard at 2 processes, at every step (from step 2 on, the update
+    # reads the moments), to the reduction order (the spread the reshard tests allow between layouts)
+    for a, b in zip(ours[0]["logs"], full[0]["logs"], strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 16 * RESHARD_FLOOR * abs(b[key]), (key, a, b)
