@@ -20,6 +20,25 @@ if os.environ.get("TRITON_INTERPRET") is None and os.environ.get("FASTTRAIN_TEST
         pass
 
 
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
+            return "avx512_bf16" in handle.read()
+    except OSError:
+        return False
+
+
+# torch's CPU flash attention in bf16 asks oneDNN whether to pack its operands (yes on a CPU with AVX512-BF16)
+# and then calls pack_vnni2, which exists only in the AVX-512 build of its kernels: under
+# ATEN_CPU_CAPABILITY=default (.ci/isa) it raises "pack_vnni2 is only supported when avx512 is supported", for the
+# reference Trainer as for fasttrain. That stage exists for the rounding of the non-vector kernels, so there the
+# attention runs torch's math kernel instead (on every other machine and stage, the flash one).
+if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "default" and _cpu_has_avx512_bf16():
+    import torch
+
+    torch.backends.cuda.enable_flash_sdp(False)  # the flag torch's CPU attention also reads
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():
     """Each test starts from the same environment variables. transformers < 5 records a run's mixed precision
