@@ -28,15 +28,27 @@ def _cpu_has_avx512_bf16() -> bool:
         return False
 
 
-# torch's CPU flash attention in bf16 asks oneDNN whether to pack its operands (yes on a CPU with AVX512-BF16)
-# and then calls pack_vnni2, which exists only in the AVX-512 build of its kernels: under
-# ATEN_CPU_CAPABILITY=default (.ci/isa) it raises "pack_vnni2 is only supported when avx512 is supported", for the
-# reference Trainer as for fasttrain. That stage exists for the rounding of the non-vector kernels, so there the
-# attention runs torch's math kernel instead (on every other machine and stage, the flash one).
+# torch's CPU flash attention in bf16 may ask oneDNN whether to pack its operands (yes on a CPU with AVX512-BF16)
+# and then call pack_vnni2, which exists only in the AVX-512 build of its kernels: under ATEN_CPU_CAPABILITY=default
+# (.ci/isa) it raises "pack_vnni2 is only supported when avx512 is supported", for the reference Trainer as for
+# fasttrain. That stage exists for the rounding of the non-vector kernels, so there a call that raises this is
+# run again on torch's math kernel; every other call, and every other stage and machine, keeps the flash kernel.
 if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "default" and _cpu_has_avx512_bf16():
-    import torch
+    import torch.nn.functional as functional
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    torch.backends.cuda.enable_flash_sdp(False)  # the flag torch's CPU attention also reads
+    _flash_or_any = functional.scaled_dot_product_attention
+
+    def _math_where_pack_vnni2_raises(*args, **kwargs):
+        try:
+            return _flash_or_any(*args, **kwargs)
+        except RuntimeError as err:
+            if "pack_vnni2" not in str(err):
+                raise
+        with sdpa_kernel(SDPBackend.MATH):
+            return _flash_or_any(*args, **kwargs)
+
+    functional.scaled_dot_product_attention = _math_where_pack_vnni2_raises
 
 
 @pytest.fixture(autouse=True)
