@@ -38,6 +38,11 @@ Runs, one after the other in the same processes (one launch):
   another world size; <source> may be <layout> itself). All keep the global batch: 8 rows
   per micro-step over the ranks (2 x 4 or 4 x 2), 2 accumulation steps, random order (no length grouping), so
   every layout trains on the same examples at each optimizer step.
+- ``reshard-<layout>-torch``: the reference (no fasttrain: torch's AdamW and the Trainer's clip) on the reshard
+  schedule, saving at RESHARD_SAVE_STEP; ``reshard-full2-truth``: the same in float64 (not saving).
+  ``reshard-<layout>-param-from-<source>-torch`` resumes a reference checkpoint under fasttrain (FusedAdamW with
+  its default state, the type torch's AdamW keeps), ``reshard-<layout>-torch-from-<source>-param`` a fasttrain
+  checkpoint in the reference: checkpoints crossing between implementations.
 
 Each writes OUT/<run>-rank<R>.json: the logged loss and grad_norm per step, the rows each rank trained on per
 epoch, the hot-path status, and detectors (FSDP2 unshards of the lm_head's group per forward, lm_head calls, the
@@ -78,6 +83,8 @@ LAYOUTS = {
     "offload2": (2, False, True),
 }
 STATE_DTYPES = ("param", "float32", "8bit")  # FusedAdamW's state_dtype: None, "float32", "8bit"
+# the reference's optimizer (torch's AdamW, no fasttrain), in the reshard- runs' names where a state_dtype stands
+TORCH = "torch"
 
 
 def _run(
@@ -137,6 +144,19 @@ for _layout, (_world, _hybrid, _offload) in LAYOUTS.items():
             RUNS[reshard_run(_layout, _state, _source)] = _run(
                 resume=True, source=reshard_run(_source, _state), **_common
             )
+    # the reference on the same schedule, and checkpoints crossing between it and fasttrain's default state (both
+    # keep step, exp_avg and exp_avg_sq in the parameter's dtype)
+    _common = dict(hybrid=_hybrid, offload=_offload, world=_world)
+    RUNS[reshard_run(_layout, TORCH)] = _run(patched=False, save=True, **_common)
+    for _source in LAYOUTS:
+        for _state, _other in (("param", TORCH), (TORCH, "param")):
+            RUNS[reshard_run(_layout, _state, f"{_source}-{_other}")] = _run(
+                patched=_state != TORCH,  # fasttrain with no optim_args: its default state
+                resume=True,
+                source=reshard_run(_source, _other),
+                **_common,
+            )
+RUNS["reshard-full2-truth"] = _run(patched=False, dtype=torch.float64, world=2)
 
 
 def _cpu_offload_without_pinning() -> None:
@@ -318,6 +338,8 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
         "param_types": sorted({type(p).__name__ for p in params}),
         "state_types": sorted({type(v).__name__ for s in inner.state.values() for v in s.values()}),
         "state_keys": sorted({f"{k}:{str(v.dtype)[6:]}" for s in inner.state.values() for k, v in s.items()}),
+        # the optimizer's step counts (a resume that loaded the state counts on from the checkpoint's)
+        "state_steps": sorted({float(s["step"]) for s in inner.state.values() if "step" in s}),
         # the placements of the DTensor states (moments, 8-bit codes and absmax), by key
         "state_placements": sorted(
             {

@@ -19,6 +19,9 @@ shard on 4 (a 2 x 2 mesh; also full shard on 4) and the 2-process resumes of the
   shard <-> hybrid shard at 2 and 4 processes, full shard <-> CPU offload at 4 and 2) to the uninterrupted run's
   losses and grad norms, for every FusedAdamW state_dtype, within the spread between uninterrupted runs at the two
   layouts; an offloaded run's checkpoint resumes offloaded the same way;
+- a sharded checkpoint written by the reference (torch's AdamW) resumes under fasttrain and fasttrain's (default
+  state) in the reference, at 2 processes and from 2 to 4 and 4 to 2: the step counts go on from the checkpoint's,
+  and the steps after it are as close to the float64 truth as the reference's own float32 run;
 - 8-bit moments under hybrid shard and CPU offload: codes and absmax DTensors placed like the parameter, training
   as under full shard to the reduction order.
 """
@@ -66,10 +69,30 @@ RESHARDS = [
 ]
 # (source, target) at the same layout: an offloaded run's checkpoint resumed offloaded
 RESUMES_IN_PLACE = [("offload2", "offload2")]
+# checkpoints crossing implementations, (source layout, source optimizer) -> (target layout, target optimizer):
+# the reference's torch AdamW ("torch") <-> fasttrain's FusedAdamW with its default state ("param"), at one layout
+# and across world sizes
+TORCH = "torch"
+CROSSES = [
+    (("full2", TORCH), ("full2", "param")),
+    (("full2", "param"), ("full2", TORCH)),
+    (("full2", TORCH), ("full4", "param")),
+    (("full4", "param"), ("full2", TORCH)),
+]
+TRUTH_RUN = "reshard-full2-truth"  # the reference in float64 on the reshard schedule
 
 
 def reshard_run(layout: str, state: str, source: str | None = None) -> str:
     return f"reshard-{layout}-{state}" + (f"-from-{source}" if source else "")
+
+
+def crossed_run(source: tuple[str, str], target: tuple[str, str]) -> str:
+    return reshard_run(*target, source=f"{source[0]}-{source[1]}")
+
+
+def _crossed(processes: int) -> list[str]:
+    """The crossing resumes at the layouts with this many processes."""
+    return [crossed_run(s, t) for s, t in CROSSES if RESHARD_LAYOUTS[t[0]] == processes]
 
 
 def _saves(processes: int) -> list[str]:
@@ -113,12 +136,27 @@ LAUNCHES = {
             "reference-tied",
             "fasttrain-tied",
             *_saves(2),
+            reshard_run("full2", TORCH),
+            TRUTH_RUN,
+            *[run for run in _crossed(2) if "-from-full2-" in run],  # sources saved above
             "probe-no-cpu",  # last: the probes replace the harness's process state
             "probe-use-cpu",
         ],
     ),
-    "hybrid": (4, 64, ["truth-hybrid", "reference-hybrid", "fasttrain-hybrid", *_saves(4), *_resumes(4)]),
-    "full-resumes": (2, 32, _resumes(2)),
+    "hybrid": (
+        4,
+        64,
+        [
+            "truth-hybrid",
+            "reference-hybrid",
+            "fasttrain-hybrid",
+            *_saves(4),
+            reshard_run("full4", TORCH),
+            *_resumes(4),
+            *_crossed(4),
+        ],
+    ),
+    "full-resumes": (2, 32, [*_resumes(2), *[run for run in _crossed(2) if "-from-full2-" not in run]]),
 }
 # a launch that resumes another's checkpoints runs after it (all write into one output folder)
 AFTER = {"hybrid": "full", "full-resumes": "hybrid"}
@@ -242,7 +280,7 @@ def test_runs_are_fsdp2_on_a_cpu_mesh(launched, layout):
             )
             assert r["model_class"].startswith("FSDP") and r["param_types"] == ["DTensor"], name
             assert r["weights_device"] == "cpu" and r["mesh"]["device_type"] == "cpu"
-            assert r["weights_dtype"] == ("torch.float64" if name.startswith("truth") else "torch.float32")
+            assert r["weights_dtype"] == ("torch.float64" if "truth" in name.split("-") else "torch.float32")
             assert r["offload_policy"] == ("CPUOffloadPolicy" if _offloaded(name) else "OffloadPolicy"), name
             # and fully_shard offloaded every parameter of an offloaded run, none of another's
             assert r["fsdp_params"] > 0
@@ -480,3 +518,53 @@ def test_8bit_states_on_hybrid_and_offloaded_shards(launched, layout):
     for a, b in zip(ours[0]["logs"], full[0]["logs"], strict=True):
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 16 * RESHARD_FLOOR * abs(b[key]), (key, a, b)
+
+
+@pytest.mark.parametrize(
+    "source,target", CROSSES, ids=[f"{s[0]}-{s[1]}-to-{t[0]}-{t[1]}" for s, t in CROSSES]
+)
+def test_checkpoint_crosses_between_torch_adamw_and_fasttrain(launched, source, target):
+    # a sharded checkpoint the reference wrote (torch's AdamW) resumes under fasttrain, and fasttrain's in the
+    # reference: both keep step, exp_avg and exp_avg_sq in the parameter's dtype, keyed by parameter name
+    saved = _reshard_results(launched, reshard_run(*source))
+    resumed = _reshard_results(launched, crossed_run(source, target))
+    reference = _reshard_results(
+        launched, reshard_run(target[0], TORCH)
+    )  # uninterrupted, the target's layout
+    truth = _trained(launched("full")[TRUTH_RUN])[0]["logs"]
+    files = saved[0]["checkpoint_files"]
+    assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(files), files
+    torch_adamw = "torch.optim.adamw.AdamW"
+    fused = "fasttrain.optim.adamw.FusedAdamW"
+    assert saved[0]["inner_optimizer"] == (torch_adamw if source[1] == TORCH else fused)
+    assert resumed[0]["inner_optimizer"] == (torch_adamw if target[1] == TORCH else fused)
+    if target[1] != TORCH:  # fasttrain's optimizer and clip stepped the loaded state
+        assert resumed[0]["status"]["optimizer"] == "on" and resumed[0]["status"]["clip"] == "on"
+        assert resumed[0]["deferred_clips_applied"] == RESHARD_STEPS - RESHARD_SAVE_STEP
+    # the same state type on both sides, and the loaded step counts went on from the checkpoint's
+    assert (
+        resumed[0]["state_keys"]
+        == saved[0]["state_keys"]
+        == ["exp_avg:float32", "exp_avg_sq:float32", "step:float32"]
+    )
+    assert resumed[0]["state_steps"] == saved[0]["state_steps"] == [float(RESHARD_STEPS)]
+    ours, written = ({log["step"]: log for log in run[0]["logs"]} for run in (resumed, saved))
+    assert sorted(ours) == list(range(1, RESHARD_STEPS + 1))
+    assert all(
+        ours[s] == written[s] for s in range(1, RESHARD_SAVE_STEP + 1)
+    )  # the checkpoint's trainer state
+    assert _rows_per_step(resumed) == _rows_per_step(saved)[RESHARD_SAVE_STEP:]
+    assert _rows_per_step(reference) == _rows_per_step(saved)  # the steps are the truth's steps
+    # the steps after the checkpoint ran one implementation's arithmetic on the other's weights and moments: as
+    # close to the float64 truth as the reference's own float32 run at the target layout is
+    off = []
+    for step in range(RESHARD_SAVE_STEP + 1, RESHARD_STEPS + 1):
+        t, r, o = truth[step - 1], reference[0]["logs"][step - 1], ours[step]
+        for key in ("loss", "grad_norm"):
+            bound = K * abs(r[key] - t[key]) + FLOOR * abs(t[key])
+            if abs(o[key] - t[key]) > bound:
+                off.append(
+                    f"step {step} {key}: |crossed - truth| = {abs(o[key] - t[key]):.3e} > {bound:.3e} "
+                    f"(|reference - truth| = {abs(r[key] - t[key]):.3e})"
+                )
+    assert not off, "\n".join(off)

@@ -466,7 +466,7 @@ def test_sparse_gradients_refused(state_dtype):
 
 @pytest.mark.parametrize(
     ("saved", "loading"),
-    [("8bit", None), (None, "8bit"), ("float32", None), (None, "float32"), ("torch", "8bit")],
+    [("8bit", None), (None, "8bit"), ("float32", None), ("torch", "8bit")],
 )
 def test_state_dict_from_another_mode_refused(saved, loading):
     ps = make_params([(5000,), (7,)])
@@ -492,9 +492,12 @@ def test_state_dict_with_other_8bit_threshold_refused():
         second.load_state_dict(first.state_dict())
 
 
-def test_torch_state_dict_loads_into_float32_mode():
+@pytest.mark.parametrize("saved_by", ["torch", "FusedAdamW"])
+def test_torch_state_dict_loads_into_float32_mode(saved_by):
+    # FusedAdamW's default state is torch's (moments in the parameter's dtype), and its state dict says so as
+    # torch's does: both load into float32 moments, cast as torch's loader casts them
     ps = make_params([(300,)], dtype=torch.bfloat16)
-    ref = torch.optim.AdamW(ps, fused=True)
+    ref = torch.optim.AdamW(ps, fused=True) if saved_by == "torch" else FusedAdamW(ps, backend="torch")
     set_grads([ps], 0)
     ref.step()
     opt = FusedAdamW(ps, backend="torch", state_dtype=torch.float32, bf16_stochastic_rounding=True)
@@ -503,6 +506,28 @@ def test_torch_state_dict_loads_into_float32_mode():
     assert state["exp_avg"].dtype == torch.float32
     assert torch.equal(state["exp_avg"], ref.state[ps[0]]["exp_avg"].float())
     assert opt.param_groups[0]["bf16_stochastic_rounding"]  # our settings are the constructor's
+
+
+def test_default_state_dict_is_keyed_as_torch_adamw():
+    # a sharded (torch.distributed.checkpoint) load refuses a key its checkpoint lacks: FusedAdamW's default state
+    # dict carries torch.optim.AdamW's keys and no others, so FSDP2 checkpoints cross between the two both ways;
+    # another state_dtype is recorded (and refused by the other side)
+    ps = make_params([(300,), (7,)])
+    set_grads([ps], 0)
+    ref = torch.optim.AdamW(ps)
+    ref.step()
+    ours = FusedAdamW(ps, backend="torch", bf16_stochastic_rounding=True, sr_seed=3)
+    ours.step()
+    ref_sd, our_sd = ref.state_dict(), ours.state_dict()
+    assert [sorted(g) for g in our_sd["param_groups"]] == [sorted(g) for g in ref_sd["param_groups"]]
+    assert {i: sorted(s) for i, s in our_sd["state"].items()} == {
+        i: sorted(s) for i, s in ref_sd["state"].items()
+    }
+    assert ours.param_groups[0]["sr_seed"] == 3  # the optimizer's own groups keep every setting
+    for mode, recorded in ((torch.float32, "float32"), ("8bit", "8bit")):
+        group = FusedAdamW(ps, backend="torch", state_dtype=mode).state_dict()["param_groups"][0]
+        assert group["state_dtype"] == recorded
+        assert sorted(set(group) - {"state_dtype"}) == sorted(ref_sd["param_groups"][0])
 
 
 # -- plumbing ----------------------------------------------------------------------------------------------------

@@ -207,6 +207,21 @@ class FusedAdamW(torch.optim.Optimizer):
         self.__dict__.setdefault("deferred_clips_applied", 0)
         self.__dict__.setdefault("_tables", {})
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, its groups keyed as ``torch.optim.AdamW``'s, plus ``state_dtype`` where the moments
+        are not torch's (``torch.float32`` or ``"8bit"``).
+
+        A sharded (torch.distributed.checkpoint) load fills the loading optimizer's own state dict from the
+        checkpoint and refuses a key the checkpoint lacks, so a group key torch's AdamW does not write would keep
+        FSDP2 checkpoints from crossing between the two. The settings left out are the constructor's on load.
+        """
+        state = super().state_dict()
+        for group in state["param_groups"]:
+            for key in _OWN_KEYS:
+                if key != "state_dtype" or group.get(key) is None:
+                    group.pop(key, None)
+        return state
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a FusedAdamW or ``torch.optim.AdamW`` state dict saved with the same ``state_dtype``.
 
