@@ -16,6 +16,8 @@ One process of a launch of ``world`` processes; ``jobs`` (JSON) says what it doe
 - ``save``: ``STEPS_BEFORE`` steps on a ``mesh``, for each state_dtype (None, float32, 8bit); model and optimizer
   saved with torch.distributed.checkpoint as FSDP2 sharded checkpoints are (``get_optimizer_state_dict``), and
   the gathered state (every tensor's ``full_tensor()``) saved beside it by rank 0.
+- ``cross_modes``: each checkpoint of ``dir`` loaded with another state_dtype: full precision into full precision
+  (cast), 8-bit to or from full precision refused by torch.distributed.checkpoint.
 - ``load``: each checkpoint of ``dir`` loaded on this launch's ``mesh`` (another world size or mesh:
   ``set_optimizer_state_dict``). The loaded state, gathered, must be the saved one value for value, each state
   tensor sharded like its parameter (a state saved per rank, not resharded, fails here); then ``STEPS_AFTER``
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -281,11 +284,53 @@ def job_load(job: dict, world: int) -> None:
                 assert_truth(params[name], p, t[name], k=2.0, ulps=1.0, what=f"{what}: {name}")
 
 
+def job_cross_modes(job: dict, world: int) -> None:
+    """Each checkpoint of ``dir`` loaded with every other state_dtype: full-precision moments (None, float32) load
+    into one another, cast to the loading optimizer's dtype; 8-bit moments and full-precision ones do not convert,
+    and torch.distributed.checkpoint refuses the load, naming the key the checkpoint lacks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    for saved_sd in STATE_DTYPES:
+        saved = torch.load(Path(job["dir"], f"{saved_sd}-gathered.pt"))
+        for sd in STATE_DTYPES:
+            if sd == saved_sd:
+                continue
+            what = f"{job['dir']} ({saved_sd}) loaded with state_dtype={sd} on {world} processes"
+            model = sharded_model(job["mesh"], world)
+            opt = optimizer(model, sd)
+            state = _state(model, opt)
+            if "8bit" in (sd, saved_sd):
+                # this optimizer's state dict asks for what the checkpoint does not hold: loading into 8 bits, the
+                # recorded state_dtype or the codes and absmax; loading from 8 bits, the full-precision moments
+                missing = r"(state_dtype|_codes|_absmax)" if sd == "8bit" else r"\.(exp_avg|exp_avg_sq)"
+                try:
+                    dcp.load(state, checkpoint_id=Path(job["dir"], str(saved_sd)))
+                except CheckpointException as err:  # a BaseException: every rank raises it
+                    assert re.search(rf"Missing key in checkpoint state_dict: \S*{missing}\.", str(err)), (
+                        what,
+                        err,
+                    )
+                else:
+                    raise AssertionError(f"{what}: loaded")
+                continue
+            dcp.load(state, checkpoint_id=Path(job["dir"], str(saved_sd)))
+            set_optimizer_state_dict(model, opt, state["optim"])
+            loaded = full_state(model, opt)
+            for name in loaded:
+                assert sorted(loaded[name]) == sorted(saved[name]), (what, name)
+                for key, value in loaded[name].items():
+                    assert torch.equal(value, saved[name][key].to(value.dtype)), f"{what}: {name} {key}"
+
+
 def main(rank: int, world: int, init_file: str, jobs: list[dict]) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         for job in jobs:
-            {"update": job_update, "save": job_save, "load": job_load}[job["do"]](job, world)
+            {"update": job_update, "save": job_save, "load": job_load, "cross_modes": job_cross_modes}[
+                job["do"]
+            ](job, world)
             dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -466,7 +466,7 @@ def test_sparse_gradients_refused(state_dtype):
 
 @pytest.mark.parametrize(
     ("saved", "loading"),
-    [("8bit", None), (None, "8bit"), ("float32", None), ("torch", "8bit")],
+    [("8bit", None), (None, "8bit"), ("8bit", "float32"), ("float32", "8bit"), ("torch", "8bit")],
 )
 def test_state_dict_from_another_mode_refused(saved, loading):
     ps = make_params([(5000,), (7,)])
@@ -508,10 +508,25 @@ def test_torch_state_dict_loads_into_float32_mode(saved_by):
     assert opt.param_groups[0]["bf16_stochastic_rounding"]  # our settings are the constructor's
 
 
+@pytest.mark.parametrize("loading_by", ["torch", "FusedAdamW"])
+def test_float32_moments_load_as_torch_loads_them(loading_by):
+    # float32 moments of bf16 parameters are torch's state in another dtype: torch's AdamW and FusedAdamW's default
+    # both load them cast to the parameter's dtype (a sharded load casts into the loading optimizer's tensors alike)
+    ps = make_params([(300,)], dtype=torch.bfloat16)
+    first = FusedAdamW(ps, backend="torch", state_dtype=torch.float32)
+    set_grads([ps], 0)
+    first.step()
+    second = torch.optim.AdamW(ps, fused=True) if loading_by == "torch" else FusedAdamW(ps, backend="torch")
+    second.load_state_dict(first.state_dict())
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert second.state[ps[0]][key].dtype == torch.bfloat16
+        assert torch.equal(second.state[ps[0]][key], first.state[ps[0]][key].to(torch.bfloat16))
+
+
 def test_default_state_dict_is_keyed_as_torch_adamw():
     # a sharded (torch.distributed.checkpoint) load refuses a key its checkpoint lacks: FusedAdamW's default state
     # dict carries torch.optim.AdamW's keys and no others, so FSDP2 checkpoints cross between the two both ways;
-    # another state_dtype is recorded (and refused by the other side)
+    # float32 moments are torch's state in another dtype, 8-bit moments another state, recorded
     ps = make_params([(300,), (7,)])
     set_grads([ps], 0)
     ref = torch.optim.AdamW(ps)
@@ -524,10 +539,11 @@ def test_default_state_dict_is_keyed_as_torch_adamw():
         i: sorted(s) for i, s in ref_sd["state"].items()
     }
     assert ours.param_groups[0]["sr_seed"] == 3  # the optimizer's own groups keep every setting
-    for mode, recorded in ((torch.float32, "float32"), ("8bit", "8bit")):
-        group = FusedAdamW(ps, backend="torch", state_dtype=mode).state_dict()["param_groups"][0]
-        assert group["state_dtype"] == recorded
-        assert sorted(set(group) - {"state_dtype"}) == sorted(ref_sd["param_groups"][0])
+    group = FusedAdamW(ps, backend="torch", state_dtype=torch.float32).state_dict()["param_groups"][0]
+    assert sorted(group) == sorted(ref_sd["param_groups"][0])
+    group = FusedAdamW(ps, backend="torch", state_dtype="8bit").state_dict()["param_groups"][0]
+    assert group["state_dtype"] == "8bit"
+    assert sorted(set(group) - {"state_dtype"}) == sorted(ref_sd["param_groups"][0])
 
 
 # -- plumbing ----------------------------------------------------------------------------------------------------

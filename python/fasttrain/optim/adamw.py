@@ -208,38 +208,42 @@ class FusedAdamW(torch.optim.Optimizer):
         self.__dict__.setdefault("_tables", {})
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict, its groups keyed as ``torch.optim.AdamW``'s, plus ``state_dtype`` where the moments
-        are not torch's (``torch.float32`` or ``"8bit"``).
+        """torch's state dict, its groups keyed as ``torch.optim.AdamW``'s, plus ``state_dtype`` for 8-bit moments.
 
         A sharded (torch.distributed.checkpoint) load fills the loading optimizer's own state dict from the
         checkpoint and refuses a key the checkpoint lacks, so a group key torch's AdamW does not write would keep
-        FSDP2 checkpoints from crossing between the two. The settings left out are the constructor's on load.
+        FSDP2 checkpoints from crossing between the two. Full-precision moments (``state_dtype`` None or
+        ``torch.float32``) are torch's state, in one dtype or another; 8-bit moments are another state, and say so.
+        The settings left out are the constructor's on load.
         """
         state = super().state_dict()
         for group in state["param_groups"]:
             for key in _OWN_KEYS:
-                if key != "state_dtype" or group.get(key) is None:
+                if key != "state_dtype" or group.get(key) != "8bit":
                     group.pop(key, None)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a FusedAdamW or ``torch.optim.AdamW`` state dict saved with the same ``state_dtype``.
+        """Load a FusedAdamW or ``torch.optim.AdamW`` state dict with the same kind of moments.
 
-        A torch.optim.AdamW state dict loads into ``state_dtype=None`` or ``torch.float32`` (moments cast, as
-        torch's loader casts them); the moments of another FusedAdamW mode raise a ValueError. This optimizer's
-        own settings (backend, state_dtype, stochastic rounding) stay the constructor's; lr, betas, eps,
-        weight_decay, amsgrad and maximize come from the state dict, as in torch.
+        Full-precision moments (torch's AdamW's, FusedAdamW's with ``state_dtype`` None or ``torch.float32``) load
+        into ``state_dtype=None`` or ``torch.float32``, cast as torch's loader casts them (a sharded load casts
+        them the same way); 8-bit moments load only into 8-bit moments, and the other way round, or a ValueError
+        says which. This optimizer's own settings (backend, state_dtype, stochastic rounding) stay the
+        constructor's; lr, betas, eps, weight_decay, amsgrad and maximize come from the state dict, as in torch.
         """
         saved_groups = [dict(g) for g in state_dict["param_groups"]]
         saved_state = state_dict["state"]
         for i, (saved, ours) in enumerate(zip(saved_groups, self.param_groups, strict=False)):
             where = f"FusedAdamW param group {i}"
             mode = ours["state_dtype"]
-            if "state_dtype" in saved and _state.normalize_state_dtype(saved["state_dtype"], where) != mode:
+            # a group saved without state_dtype (torch's, or full precision) is checked parameter by parameter below
+            saved_mode = _state.normalize_state_dtype(saved.get("state_dtype"), where)
+            if "state_dtype" in saved and "8bit" in (saved_mode, mode) and saved_mode != mode:
                 raise ValueError(
-                    f"{where}: the state dict was saved with state_dtype={saved['state_dtype']!r}, this optimizer "
-                    f"has state_dtype={mode!r}: construct FusedAdamW(..., state_dtype={saved['state_dtype']!r}) "
-                    "to resume it (a checkpoint's moments are not converted between modes)"
+                    f"{where}: the state dict was saved with state_dtype={saved_mode!r}, this optimizer "
+                    f"has state_dtype={mode!r}: construct FusedAdamW(..., state_dtype={saved_mode!r}) "
+                    "to resume it (8-bit moments are not converted to or from full precision)"
                 )
             for key in _OWN_KEYS:
                 saved[key] = ours[key]
