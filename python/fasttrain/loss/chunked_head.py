@@ -217,6 +217,48 @@ def _exact_ratio(upstream: torch.Tensor, valid: torch.Tensor, predicted: torch.T
     return ratio
 
 
+def _make_plan(hidden: torch.Tensor, chunk_rows: int, predicted: Any) -> _Plan:
+    """Under autocast the matmuls run in the autocast dtype, like ``nn.Linear`` (read before autocast is turned
+    off around the passes)."""
+    device_type = hidden.device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    compute_dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
+    if predicted is not None:
+        predicted = torch.as_tensor(predicted, dtype=torch.float32, device=hidden.device)
+    return _Plan(compute_dtype, max(1, chunk_rows), predicted)
+
+
+def _forward(hidden, weight, bias, chunk_math: ChunkMath, plan: _Plan, needs) -> tuple[_Grads | None, tuple]:
+    """The forward sweep: the chunk math's outputs and, where ``needs`` asks and an upstream is predicted, the
+    gradients for that upstream folded in on the way (the basis a backward scales instead of recomputing)."""
+    scale = plan.predicted if any(needs) else None
+    basis = _pass(
+        hidden, weight, bias, plan, needs if scale is not None else None,
+        lambda logits, lo, hi, scratch: chunk_math.forward_chunk(logits, lo, hi, scale, scratch),
+    )  # fmt: skip
+    return basis, chunk_math.take_outputs()
+
+
+def _gradients(
+    hidden, weight, bias, chunk_math: ChunkMath, plan: _Plan, needs, basis, upstream: tuple
+) -> tuple:
+    """The inputs' gradients for ``upstream`` (one per differentiable output, None where there is none): the
+    forward's basis, scaled, when only output 0 has an upstream and it is the predicted one times +-2^k; else a
+    second sweep that recomputes the logits."""
+    like = (hidden, weight, bias)
+    if basis is not None and upstream[0] is not None and all(g is None for g in upstream[1:]):
+        ratio = _exact_ratio(upstream[0], chunk_math.valid, plan.predicted)
+        if ratio is not None:
+            # a ratio of 1 (the usual case) scales nothing: no pass over the gradients
+            return basis.finish(None if float(ratio) == 1.0 else ratio, like)
+    grads = _pass(
+        hidden, weight, bias, plan, needs,
+        lambda logits, lo, hi, scratch: chunk_math.backward_chunk(logits, lo, hi, upstream, scratch),
+    )  # fmt: skip
+    assert grads is not None
+    return grads.finish(None, like)
+
+
 class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, chunk_math: ChunkMath, plan: _Plan):  # type: ignore[override]
@@ -226,12 +268,7 @@ class _ChunkedHead(torch.autograd.Function):
             ctx.needs_input_grad[1],
             bias is not None and ctx.needs_input_grad[2],
         )
-        scale = plan.predicted if any(needs) else None
-        ctx.basis = _pass(
-            hidden, weight, bias, plan, needs if scale is not None else None,
-            lambda logits, lo, hi, scratch: chunk_math.forward_chunk(logits, lo, hi, scale, scratch),
-        )  # fmt: skip
-        outputs = chunk_math.take_outputs()
+        ctx.basis, outputs = _forward(hidden, weight, bias, chunk_math, plan, needs)
         ctx.save_for_backward(hidden, weight, bias)
         ctx.chunk_math, ctx.plan, ctx.needs = chunk_math, plan, needs
         ctx.mark_non_differentiable(*outputs[chunk_math.n_differentiable :])
@@ -241,23 +278,11 @@ class _ChunkedHead(torch.autograd.Function):
     def backward(ctx, *upstream):  # type: ignore[override]
         hidden, weight, bias = ctx.saved_tensors
         basis, ctx.basis = ctx.basis, None  # used at most once: a second backward recomputes
-        none = (None, None)
         upstream = upstream[: ctx.chunk_math.n_differentiable]
         if all(g is None for g in upstream):
-            return None, None, None, *none
-        like = (hidden, weight, bias)
-        if basis is not None and upstream[0] is not None and all(g is None for g in upstream[1:]):
-            ratio = _exact_ratio(upstream[0], ctx.chunk_math.valid, ctx.plan.predicted)
-            if ratio is not None:
-                # a ratio of 1 (the usual case) scales nothing: no pass over the gradients
-                return *basis.finish(None if float(ratio) == 1.0 else ratio, like), *none
-        chunk_math = ctx.chunk_math
-        grads = _pass(
-            hidden, weight, bias, ctx.plan, ctx.needs,
-            lambda logits, lo, hi, scratch: chunk_math.backward_chunk(logits, lo, hi, upstream, scratch),
-        )  # fmt: skip
-        assert grads is not None
-        return *grads.finish(None, like), *none
+            return None, None, None, None, None
+        grads = _gradients(hidden, weight, bias, ctx.chunk_math, ctx.plan, ctx.needs, basis, upstream)
+        return *grads, None, None
 
 
 def run_head(
@@ -270,13 +295,8 @@ def run_head(
 ) -> tuple[torch.Tensor, ...]:
     """The chunk math's per-token outputs, differentiable through ``hidden``, ``weight`` and ``bias``. Under
     autocast the matmuls run in the autocast dtype, like ``nn.Linear``; the gradients keep the inputs' dtypes."""
-    device_type = hidden.device.type
-    autocast = torch.is_autocast_enabled(device_type)
-    compute_dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
-    if predicted is not None:
-        predicted = torch.as_tensor(predicted, dtype=torch.float32, device=hidden.device)
-    plan = _Plan(compute_dtype, max(1, chunk_rows), predicted)
-    with torch.autocast(device_type, enabled=False):
+    plan = _make_plan(hidden, chunk_rows, predicted)
+    with torch.autocast(hidden.device.type, enabled=False):
         return _ChunkedHead.apply(hidden, weight, bias, chunk_math, plan)
 
 
@@ -292,32 +312,14 @@ def head_with_grads(
     """``run_head``'s outputs and, without autograd, the gradients of the inputs in ``needs`` for an upstream of
     ``predicted`` on every token of output 0: what ``run_head``'s forward and backward give for a loss whose
     upstream is that (a ``"mean"`` or ``"sum"`` reduction), the same passes, the same roundings."""
-    device_type = hidden.device.type
-    autocast = torch.is_autocast_enabled(device_type)
-    compute_dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
-    predicted = torch.as_tensor(predicted, dtype=torch.float32, device=hidden.device)
-    plan = _Plan(compute_dtype, max(1, chunk_rows), predicted)
+    plan = _make_plan(hidden, chunk_rows, predicted)
     needs = (needs[0], needs[1], bias is not None and needs[2])
-    like = (hidden, weight, bias)
-    with torch.autocast(device_type, enabled=False):
-        scale = predicted if any(needs) else None
-        basis = _pass(
-            hidden, weight, bias, plan, needs if scale is not None else None,
-            lambda logits, lo, hi, scratch: chunk_math.forward_chunk(logits, lo, hi, scale, scratch),
-        )  # fmt: skip
-        outputs = chunk_math.take_outputs()
-        if basis is None:
+    with torch.autocast(hidden.device.type, enabled=False):
+        basis, outputs = _forward(hidden, weight, bias, chunk_math, plan, needs)
+        if basis is None:  # no gradient asked for
             return outputs, (None, None, None)
-        upstream = predicted.expand(hidden.shape[0])
-        ratio = _exact_ratio(upstream, chunk_math.valid, predicted)
-        if ratio is not None:
-            return outputs, basis.finish(None if float(ratio) == 1.0 else ratio, like)
-        grads = _pass(
-            hidden, weight, bias, plan, needs,
-            lambda logits, lo, hi, scratch: chunk_math.backward_chunk(logits, lo, hi, (upstream,), scratch),
-        )  # fmt: skip
-        assert grads is not None
-        return outputs, grads.finish(None, like)
+        upstream = (plan.predicted.expand(hidden.shape[0]),)
+        return outputs, _gradients(hidden, weight, bias, chunk_math, plan, needs, basis, upstream)
 
 
 def check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
