@@ -27,15 +27,13 @@ One process of a launch of ``world`` processes; ``jobs`` (JSON) says what it doe
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from _gloo_ranks import run_jobs
 from _truth_ops import assert_truth, distance, magnitude
 
 SHAPES = {"even": (6, 512), "odd": (7, 300), "cube": (5, 3, 100), "flat": (1500,), "small": (3, 4)}
@@ -324,19 +322,5 @@ def job_cross_modes(job: dict, world: int) -> None:
                     assert torch.equal(value, saved[name][key].to(value.dtype)), f"{what}: {name} {key}"
 
 
-def main(rank: int, world: int, init_file: str, jobs: list[dict]) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        for job in jobs:
-            {"update": job_update, "save": job_save, "load": job_load, "cross_modes": job_cross_modes}[
-                job["do"]
-            ](job, world)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]))
-    os._exit(0)
+    run_jobs({"update": job_update, "save": job_save, "load": job_load, "cross_modes": job_cross_modes})

@@ -29,14 +29,13 @@ unsharded references are computed and compared on rank 0 (in every mesh).
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from _gloo_ranks import run_jobs
 
 SHAPES = {"odd": (7, 300), "cube": (5, 3, 100), "flat": (1501,), "even": (6, 256)}
 EXACT_8BIT = ("even",)  # rows of 256: the sharded row blocks are the unsharded flat blocks
@@ -262,17 +261,5 @@ def job_load(job: dict, world: int) -> None:
 JOBS = {"update": job_update, "stochastic": job_stochastic, "save": job_save, "load": job_load}
 
 
-def main(rank: int, world: int, init_file: str, jobs: list[dict]) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        for job in jobs:
-            JOBS[job["do"]](job, world)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]))
-    os._exit(0)
+    run_jobs(JOBS)

@@ -309,14 +309,12 @@ def test_every_example_once_per_epoch(launched, run):
         assert seen == list(range(rows)), f"epoch {epoch}: rows seen {seen}"
 
 
-@pytest.mark.parametrize("run", list(BASELINES))
-def test_loss_and_grad_norm_as_close_to_float64_as_the_reference(launched, run):
-    truth_run, ref_run, layout = BASELINES[run]
-    runs = launched(layout)
-    truth, ref, ours = (_trained(runs[name])[0]["logs"] for name in (truth_run, ref_run, run))
-    assert len(ours) == len(ref) == len(truth) == STEPS
+def _assert_near_truth(steps, truth: list[dict], ref: list[dict], ours: list[dict]) -> None:
+    """At each of ``steps`` (1-based), ``ours`` logs loss and grad_norm within K times the reference's distance
+    from the float64 truth, plus FLOOR float32 units of the value."""
     off = []
-    for step, (t, r, o) in enumerate(zip(truth, ref, ours, strict=True), start=1):
+    for step in steps:
+        t, r, o = truth[step - 1], ref[step - 1], ours[step - 1]
         for key in ("loss", "grad_norm"):
             bound = K * abs(r[key] - t[key]) + FLOOR * abs(t[key])
             if abs(o[key] - t[key]) > bound:
@@ -325,6 +323,15 @@ def test_loss_and_grad_norm_as_close_to_float64_as_the_reference(launched, run):
                     f"(|ref - truth| = {abs(r[key] - t[key]):.3e})"
                 )
     assert not off, "\n".join(off)
+
+
+@pytest.mark.parametrize("run", list(BASELINES))
+def test_loss_and_grad_norm_as_close_to_float64_as_the_reference(launched, run):
+    truth_run, ref_run, layout = BASELINES[run]
+    runs = launched(layout)
+    truth, ref, ours = (_trained(runs[name])[0]["logs"] for name in (truth_run, ref_run, run))
+    assert len(ours) == len(ref) == len(truth) == STEPS
+    _assert_near_truth(range(1, STEPS + 1), truth, ref, ours)
     # every rank logs the same values (loss averaged across ranks, norm reduced over the mesh)
     assert all(r["logs"] == runs[run][0]["logs"] for r in runs[run])
 
@@ -557,14 +564,7 @@ def test_checkpoint_crosses_between_torch_adamw_and_fasttrain(launched, source, 
     assert _rows_per_step(reference) == _rows_per_step(saved)  # the steps are the truth's steps
     # the steps after the checkpoint ran one implementation's arithmetic on the other's weights and moments: as
     # close to the float64 truth as the reference's own float32 run at the target layout is
-    off = []
-    for step in range(RESHARD_SAVE_STEP + 1, RESHARD_STEPS + 1):
-        t, r, o = truth[step - 1], reference[0]["logs"][step - 1], ours[step]
-        for key in ("loss", "grad_norm"):
-            bound = K * abs(r[key] - t[key]) + FLOOR * abs(t[key])
-            if abs(o[key] - t[key]) > bound:
-                off.append(
-                    f"step {step} {key}: |crossed - truth| = {abs(o[key] - t[key]):.3e} > {bound:.3e} "
-                    f"(|reference - truth| = {abs(r[key] - t[key]):.3e})"
-                )
-    assert not off, "\n".join(off)
+    resumed_logs = [ours[step] for step in sorted(ours)]
+    _assert_near_truth(
+        range(RESHARD_SAVE_STEP + 1, RESHARD_STEPS + 1), truth, reference[0]["logs"], resumed_logs
+    )

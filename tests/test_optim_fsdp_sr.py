@@ -16,49 +16,18 @@ Single-process tests below: both backends draw the bits of ``fasttrain.optim.rou
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from _gloo_ranks import launch_jobs
+
 WORKER = Path(__file__).with_name("_fsdp_sr_worker.py")
 
 
 def launch(tmp_path: Path, name: str, world: int, jobs: list[dict]) -> None:
-    init_file = tmp_path / f"rendezvous-{name}"
-    env = dict(os.environ)
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU: FSDP2 would otherwise put shards on a GPU
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), str(world), str(init_file), json.dumps(jobs)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=300)
-            outputs.append(out)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    failed = [
-        (rank, out) for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)) if proc.returncode
-    ]
-    assert not failed, "\n".join(f"{name}, rank {rank} failed:\n{out[-3000:]}" for rank, out in failed)
+    launch_jobs(WORKER, tmp_path, name, world, jobs)
 
 
 @pytest.mark.distributed
