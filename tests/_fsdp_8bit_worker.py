@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from _gloo_ranks import run_jobs
+from _gloo_ranks import run_jobs, shard_like
 from _truth_ops import assert_truth, distance, magnitude
 
 SHAPES = {"even": (6, 512), "odd": (7, 300), "cube": (5, 3, 100), "flat": (1500,), "small": (3, 4)}
@@ -98,18 +98,10 @@ def optimizer(model: torch.nn.Module, state_dtype, backend: str = "torch"):
 
 
 def run_steps(model, opt, first: int, last: int) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     for step in range(first, last):
         grads = gradients(step)
         for name, p in model.named_parameters():
-            g = grads[name].to(p.dtype)
-            # each rank takes its shard of the same full gradient (no communication)
-            p.grad = (
-                distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
-                if isinstance(p, DTensor)
-                else g
-            )
+            p.grad = shard_like(grads[name].to(p.dtype), p)  # each rank's shard of the same full gradient
         opt.step()
         opt.zero_grad()
 

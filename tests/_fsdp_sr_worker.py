@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from _gloo_ranks import run_jobs
+from _gloo_ranks import run_jobs, shard_like
 
 SHAPES = {"odd": (7, 300), "cube": (5, 3, 100), "flat": (1501,), "even": (6, 256)}
 EXACT_8BIT = ("even",)  # rows of 256: the sharded row blocks are the unsharded flat blocks
@@ -103,16 +103,8 @@ def optimizer(model: torch.nn.Module, state_dtype, backend: str):
 
 
 def step(model, opt, step: int, grads=gradients) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     for name, p in model.named_parameters():
-        g = grads(step)[name]
-        # each rank takes its shard of the same full gradient (no communication)
-        p.grad = (
-            distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
-            if isinstance(p, DTensor)
-            else g
-        )
+        p.grad = shard_like(grads(step)[name], p)  # each rank's shard of the same full gradient
     opt.step()
     opt.zero_grad()
 

@@ -70,3 +70,13 @@ def run_jobs(jobs_by_name: dict[str, Callable[[dict, int], None]]) -> None:
     finally:
         dist.destroy_process_group()
     os._exit(0)
+
+
+def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``full``, placed like ``param`` (``full`` itself for a plain tensor): every rank takes
+    its part of the same full tensor, with no communication (``src_data_rank=None``)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor):
+        return full
+    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
