@@ -24,6 +24,7 @@ WORKER = textwrap.dedent(
     import _truth
     import transformers
     from torch.distributed.fsdp import fully_shard
+    from fasttrain.loss.lazy_logits import PendingLogits
     from fasttrain.loss.model_patch import enable_fused_loss
 
     dist.init_process_group("gloo")
@@ -51,7 +52,12 @@ WORKER = textwrap.dedent(
         labels = ids.clone(); labels[0, :3] = -100
         out = model(input_ids=ids, labels=labels)
         # fused path unless lm_head is sharded on its own (in the tail unit the backbone's norm unshards it)
-        assert (out.logits is None) == (layout != "head"), layout
+        pending = isinstance(dict.get(out, "logits"), PendingLogits)
+        assert pending == (layout != "head"), layout
+        if pending:  # logits on demand: the unsharded model's, read after the sharded forward returned
+            with torch.no_grad():
+                expected = ref(input_ids=ids).logits
+            torch.testing.assert_close(out.logits.detach(), expected, rtol=1e-5, atol=1e-6)
         out.loss.backward()
 
         # reference and truth: each rank's loss on the unsharded model; FSDP averages gradients over ranks

@@ -60,6 +60,8 @@ from .._logging import log_once
 from ..families import fused_loss_classes
 from ..labels import IGNORE_INDEX, shift_labels
 from .function import fused_linear_cross_entropy
+from .lazy_logits import LazyLogitsOutput, logits_thunk
+from .model_token_stats import TOKEN_STATS_KWARG, token_stats
 from .trl_support import is_trl_head
 
 __all__ = [
@@ -67,6 +69,8 @@ __all__ = [
     "enable_fused_loss",
     "fused_loss_calls",
     "fused_loss_enabled",
+    "fused_loss_problem",
+    "fused_loss_usage",
     "set_eval_fused",
 ]
 
@@ -84,6 +88,15 @@ class _FusedLossState:
     active: bool = True
     eval_fused: bool = False
     fused_calls: int = 0  # forwards that took the fused path: the evidence behind a status "on"
+    logits_reads: int = 0  # of those, the ones whose logits someone read (computed then, on demand)
+    loss_backwards: int = 0  # of those, the ones whose loss a backward went through
+    token_stats_calls: int = 0  # forwards that answered fasttrain_token_stats (model_token_stats)
+
+    def count_logits_read(self) -> None:
+        self.logits_reads += 1
+
+    def count_loss_backward(self, grad: torch.Tensor) -> None:
+        self.loss_backwards += 1
 
 
 _MISSING = object()
@@ -160,6 +173,8 @@ def _unread_weight(head: nn.Module) -> torch.Tensor:
 
 def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: _FusedLossState = self.__dict__[_STATE_ATTR]
+    if TOKEN_STATS_KWARG in kwargs:
+        return _token_stats_forward(self, state, args, kwargs)
     if not state.active:
         return state.original_forward(*args, **kwargs)
     try:
@@ -198,17 +213,10 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
     for name in _NOT_BACKBONE_ARGS:
         arguments.pop(name, None)
-    state.fused_calls += 1
     # the model's forward hands its **kwargs (num_items_in_batch, shift_labels, ...) to the backbone too
     outputs = backbone(**arguments)
     hidden = outputs[0]  # [batch, seq, hidden]
-    # Read after the backbone, inside the forward, and handed whole to every chunk of the loss: under ZeRO-3
-    # this read gathers the weight (a tied weight was released again when the embedding's forward ended);
-    # under FSDP2 the backbone unsharded lm_head's unit (checked above)
-    weight = head.weight
-    problem = _zero3_problem(weight) or _dtensor_problem(weight)
-    if problem is not None:
-        raise RuntimeError(f"fasttrain fused loss: {problem} (read after the backbone ran)")
+    weight = _weight_after_backbone(head)
 
     ignore_index = arguments.get("ignore_index", IGNORE_INDEX)
     shifted = arguments.get("shift_labels")
@@ -224,13 +232,59 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         reduction="mean",
         num_items_in_batch=arguments.get("num_items_in_batch"),
     )
-    return CausalLMOutputWithPast(
-        loss=loss, logits=None, **{k: v for k, v in outputs.items() if k in _PASSED_OUTPUT_FIELDS}
+    state.fused_calls += 1
+    passed = {k: v for k, v in outputs.items() if k in _PASSED_OUTPUT_FIELDS}
+    if torch.compiler.is_compiling():
+        # Dynamo cannot return the pending logits' closure from a graph: a compiled forward returns no logits
+        return CausalLMOutputWithPast(loss=loss, logits=None, **passed)
+    if loss.requires_grad:
+        loss.register_hook(state.count_loss_backward)
+    return LazyLogitsOutput(
+        loss=loss, logits=logits_thunk(head, hidden, state.softcap, state.count_logits_read), **passed
     )
+
+
+def _weight_after_backbone(head: nn.Module) -> torch.Tensor:
+    """The output weight, read after the backbone, inside the forward, and handed whole to every chunk of the
+    head: under ZeRO-3 this read gathers the weight (a tied weight was released again when the embedding's forward
+    ended); under FSDP2 the backbone unsharded lm_head's unit (checked before the backbone ran)."""
+    weight = head.weight
+    problem = _zero3_problem(weight) or _dtensor_problem(weight)
+    if problem is not None:
+        raise RuntimeError(f"fasttrain fused loss: {problem} (read after the backbone ran)")
+    return weight
+
+
+def _token_stats_forward(self: nn.Module, state: _FusedLossState, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """``model(..., fasttrain_token_stats=labels)``: per-token log-probs without the logits (``model_token_stats``),
+    in training and evaluation alike (a reference model scores under ``no_grad``)."""
+    labels = kwargs.pop(TOKEN_STATS_KWARG)
+    if not state.active:
+        raise RuntimeError(
+            f"fasttrain: token log-probs were asked of {type(self).__name__} while its fused forward is off"
+        )
+    arguments = dict(state.signature.bind(*args, **kwargs).arguments)
+    if state.var_kwargs_name is not None:
+        arguments.update(arguments.pop(state.var_kwargs_name, {}))
+    for name in (*_NOT_BACKBONE_ARGS, "return_dict"):
+        arguments.pop(name, None)
+    head = self.get_output_embeddings()
+    backbone = getattr(self, self.base_model_prefix)
+    problem = _dtensor_problem(_unread_weight(head))
+    if problem is not None and not _unsharded_by_backbone(head, backbone):
+        raise RuntimeError(f"fasttrain token log-probs: {problem}")
+    hidden = backbone(**arguments)[0]
+    state.token_stats_calls += 1
+    return token_stats(hidden, _weight_after_backbone(head), head.bias, labels, state.softcap)
 
 
 def _state(model: nn.Module) -> _FusedLossState | None:
     return find_causal_lm(model).__dict__.get(_STATE_ATTR)
+
+
+def fused_loss_problem(model: nn.Module) -> str | None:
+    """Why this model's loss cannot be fused (None: it can), without enabling anything."""
+    return _unsupported_reason(find_causal_lm(model))
 
 
 def enable_fused_loss(model: nn.Module) -> str | None:
@@ -322,6 +376,35 @@ def fused_loss_calls(model: nn.Module) -> int:
     """How many forwards of this model took the fused path so far (0 when it is not enabled)."""
     state = _state(model)
     return 0 if state is None else state.fused_calls
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedLossUsage:
+    """How a model's fused forwards were used so far: the evidence behind the status and the switch-off rule."""
+
+    calls: int = 0  # forwards that took the fused path
+    logits_reads: int = 0  # of those, the ones whose logits someone read
+    loss_backwards: int = 0  # of those, the ones whose loss a backward went through
+    token_stats: int = 0  # forwards that answered fasttrain_token_stats
+
+    def since(self, earlier: FusedLossUsage) -> FusedLossUsage:
+        return FusedLossUsage(*(a - b for a, b in zip(self.counts(), earlier.counts(), strict=True)))
+
+    def __add__(self, other: FusedLossUsage) -> FusedLossUsage:
+        return FusedLossUsage(*(a + b for a, b in zip(self.counts(), other.counts(), strict=True)))
+
+    def counts(self) -> tuple[int, ...]:
+        return dataclasses.astuple(self)
+
+
+def fused_loss_usage(model: nn.Module) -> FusedLossUsage:
+    """The counters of this model's fused forwards (all zero when the fused loss is not enabled on it)."""
+    state = _state(model)
+    if state is None:
+        return FusedLossUsage()
+    return FusedLossUsage(
+        state.fused_calls, state.logits_reads, state.loss_backwards, state.token_stats_calls
+    )
 
 
 def set_eval_fused(model: nn.Module, enabled: bool) -> None:
