@@ -8,7 +8,9 @@ An AST scan of every module of the package (no import, nothing run):
   the same: the instance is handed to ``apply`` (or the original ``__init__``, or ``isinstance``) and nothing
   else is read from it or written to it;
 - ``fasttrain bench`` (``bench/``, ``cli.py``) drives Trainers as a user script does: it reads their public state
-  but writes no attribute and calls nothing private on them.
+  but writes no attribute and calls nothing private on them;
+- a framework's plugin (``integrations/``: Axolotl's) hands the trainer the framework built to ``integration``
+  and does nothing else with it.
 
 The scan runs over a copy of the source given as text, so the same function is tested on snippets that break each
 rule (a scan that found nothing in any case would pass on anything).
@@ -24,7 +26,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "fasttrain"
 USER_SIDE = ("bench/", "cli.py")
 ENTRY_POINTS = ("trainer.py", "patching.py")
-EXEMPT = ("integration/", *USER_SIDE, *ENTRY_POINTS)
+PLUGINS = ("integrations/",)
+EXEMPT = ("integration/", *USER_SIDE, *ENTRY_POINTS, *PLUGINS)
 
 
 def _is_trainer_class(name: str) -> bool:
@@ -81,6 +84,25 @@ def entry_point_violations(source: str, where: str) -> list[str]:
     return found
 
 
+def plugin_violations(source: str, where: str) -> list[str]:
+    """Places where a plugin uses the trainer a framework built other than handing it to ``integration.<f>``."""
+    tree = ast.parse(source)
+    handed = set()
+    for node in ast.walk(tree):
+        func = getattr(node, "func", None)
+        if (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and func.value.id == "integration"
+        ):
+            handed.update(id(a) for a in node.args if isinstance(a, ast.Name) and a.id == "trainer")
+    return [
+        f"{where}:{node.lineno} uses the trainer beyond handing it to fasttrain.integration"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Name) and node.id == "trainer" and id(node) not in handed
+    ]
+
+
 def user_side_violations(source: str, where: str) -> list[str]:
     """Places where the bench writes to a trainer or calls something private on it."""
     found = []
@@ -118,6 +140,8 @@ def test_only_the_integration_touches_a_trainer():
             found += user_side_violations(source, name)
         elif name in ENTRY_POINTS:
             found += entry_point_violations(source, name)
+        elif name.startswith(PLUGINS):
+            found += plugin_violations(source, name)
         elif not name.startswith(EXEMPT):
             found += library_violations(source, name)
     assert not found, "\n".join(found)
@@ -156,6 +180,22 @@ def test_the_entry_point_rule_allows_handing_on():
         "        super().__init__(*a, **k)\n        integration.apply(self, hot_paths)\n"
     )
     assert entry_point_violations(ok, "x.py") == []
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "def post_trainer_create(self, cfg, trainer):\n    trainer.optimizer = None\n",
+        "def post_trainer_create(self, cfg, trainer):\n    helper(trainer)\n",
+    ],
+)
+def test_the_plugin_rule_catches(snippet):
+    assert plugin_violations(snippet, "x.py")
+
+
+def test_the_plugin_rule_allows_handing_on():
+    ok = "def post_trainer_create(self, cfg, trainer):\n    integration.apply_from_plugin(trainer, paths)\n"
+    assert plugin_violations(ok, "x.py") == []
 
 
 @pytest.mark.parametrize("snippet", ["trainer.model_init = f\n", "trainer._get_train_sampler()\n"])

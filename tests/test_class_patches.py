@@ -56,7 +56,8 @@ def test_a_mock_wrapping_training_step_sees_every_step_the_way_trls_tests_do(tmp
 
 
 def test_no_override_where_its_path_cannot_run(tmp_path):
-    trainer = _trainer(tmp_path, hot_paths=fasttrain.HotPaths(packing=False))
+    # packing and the loss path both hook training_step (its evidence; whether the fused loss pays)
+    trainer = _trainer(tmp_path, hot_paths=fasttrain.HotPaths(packing=False, loss=False))
     assert "training_step" not in vars(trainer) and "get_train_dataloader" not in vars(trainer)
     trainer = _trainer(tmp_path, max_grad_norm=0.0)
     assert "_clip_grad_norm" not in vars(trainer)  # no clipping: only the norm's one pass is hooked
@@ -75,8 +76,27 @@ def test_a_private_method_replaced_on_the_class_after_construction_is_called(tmp
 
     with mock.patch.object(transformers.Trainer, "_clip_grad_norm", _clip_grad_norm):
         trainer.train()
-    assert len(calls) == 3  # the user's method ran at every step, the fused clip stepped aside
-    assert trainer.fasttrain_status["clip"].startswith("off:")
+    # the user's method ran at every step; it ends in the Trainer's clip, which the fused clip serves
+    assert len(calls) == 3
+    assert trainer.fasttrain_status["clip"] == "on"
+    assert trainer.fasttrain_status["optimizer"] == "on"
+
+
+@pytest.mark.skipif(not tiny.FUSED_CLIP, reason="this transformers has no Trainer._clip_grad_norm")
+def test_a_private_method_replaced_by_one_that_clips_its_own_way_keeps_it(tmp_path):
+    trainer = _trainer(tmp_path)
+    calls = []
+
+    def _clip_grad_norm(self, model):
+        calls.append(1)
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+
+    with mock.patch.object(transformers.Trainer, "_clip_grad_norm", _clip_grad_norm):
+        trainer.train()
+    assert len(calls) == 3
+    assert trainer.fasttrain_status["clip"] == (
+        "off: Trainer._clip_grad_norm clipped without the Trainer's accelerator.clip_grad_norm_"
+    )
     assert trainer.fasttrain_status["optimizer"] == "on"
 
 

@@ -44,7 +44,9 @@ def clip_decision(tmp_path):
     trainer.accelerator = types.SimpleNamespace(
         distributed_type=DistributedType.NO, scaler=None, is_fsdp2=False
     )
-    return trainer, lambda: clip_path._fused_clip_target(trainer, trainer.model, clipping=True)
+    return trainer, lambda: clip_path._fused_clip_target(
+        trainer, list(trainer.model.parameters()), clipping=True
+    )
 
 
 def test_the_fused_clip_applies_on_a_plain_run(clip_decision):
@@ -81,7 +83,25 @@ def test_parameters_outside_the_optimizer_keep_the_reference_clip(clip_decision)
     trainer, decide = clip_decision
     trainer.optimizer.optimizer = FusedAdamW(trainer.model.lm_head.parameters())
     assert decide() is None
-    assert trainer.fasttrain_status["clip"] == "off: the model has gradients the optimizer does not update"
+    assert (
+        trainer.fasttrain_status["clip"]
+        == "off: the clipped parameters are not the ones the optimizer updates"
+    )
+
+
+def test_optimizer_parameters_outside_the_clip_keep_the_reference_clip(clip_decision):
+    # the fused norm would also count these gradients, which the Trainer's clip leaves out
+    trainer, _ = clip_decision
+    for p in trainer.model.parameters():
+        p.grad = torch.ones_like(p)
+    clipped = list(trainer.model.model.parameters())
+    assert clip_path._fused_clip_target(trainer, clipped, clipping=True) is None
+    assert (
+        trainer.fasttrain_status["clip"]
+        == "off: the clipped parameters are not the ones the optimizer updates"
+    )
+    trainer.model.lm_head.weight.grad = None  # the parameter left out has no gradient: its norm term is 0
+    assert clip_path._fused_clip_target(trainer, clipped, clipping=True) is trainer.optimizer.optimizer
 
 
 class _GradNormProbe(transformers.TrainerCallback):

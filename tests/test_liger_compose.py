@@ -16,7 +16,7 @@ from transformers.models.qwen3 import modeling_qwen3
 
 import _tiny
 import fasttrain
-from fasttrain.loss.model_patch import fused_loss_calls
+from fasttrain.integration.loss import fused_forwards
 
 pytest.importorskip(
     "liger_kernel", reason="liger-kernel is a test dependency on Linux (pyproject's dev extra)"
@@ -77,7 +77,7 @@ def test_liger_keeps_its_layer_kernels_and_fasttrain_serves_the_head(
         ours, our_rope = _train(fasttrain.Trainer, tmp_path, monkeypatch, **liger_args)
     # Liger's RoPE ran in both (the backbone is Liger's); fasttrain's fused head took every training forward
     assert reference_rope > 0 and our_rope > 0
-    assert fused_loss_calls(ours.model) == 2 * 2  # 2 steps of 2 accumulated micro-batches
+    assert fused_forwards(ours) == 2 * 2  # 2 steps of 2 accumulated micro-batches
     assert ours.fasttrain_status["loss"] == "on"
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("fasttrain hot paths"))
     assert (

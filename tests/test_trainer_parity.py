@@ -187,9 +187,12 @@ def test_model_init_and_gradient_checkpointing(tmp_path):
         runs.append(trainer)
     ref, ours, truth = runs
     assert ours.fasttrain_status["loss"] == "on", ours.fasttrain_status
+    from fasttrain.integration.loss import fused_forwards
     from fasttrain.loss.model_patch import fused_loss_enabled
 
-    assert fused_loss_enabled(ours.model)
+    # the model model_init built took the fused loss at every micro-batch, and has its own forward back after
+    assert fused_forwards(ours) == 3 * ours.args.gradient_accumulation_steps
+    assert not fused_loss_enabled(ours.model)
     _truth.assert_logs_near_truth(
         ours, ref, truth, _truth.FP32_STEP, keys=("loss", "grad_norm"), abs_floor=LOG_FLOOR
     )

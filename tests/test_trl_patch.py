@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+import transformers
 
 import _tiny as tiny
 import _truth
@@ -85,6 +86,12 @@ def _train(make, patched, truth=False):
             if model is not None:
                 model.get_output_embeddings().register_forward_hook(lambda *_: lm_head_calls.append(1))
         trainer.reward_margins = _RewardMargins(trainer)
+        trainer.forwards_while_training = {}  # fasttrain serves TRL's heads while training only
+        trainer.add_callback(
+            _ForwardSnapshot(
+                trainer.forwards_while_training, trainer.model, getattr(trainer, "ref_model", None)
+            )
+        )
         trainer.train()
     fasttrain.unpatch()
     trainer.truth_head = head
@@ -142,6 +149,18 @@ def _assert_bf16_tracks_reference(ref, ours, truth):
         )
 
 
+class _ForwardSnapshot(transformers.TrainerCallback):
+    """The models' forward attributes at the end of the first step (what training ran with)."""
+
+    def __init__(self, into, *models):
+        self.into, self.models = into, [m for m in models if m is not None]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            for model in self.models:
+                self.into[id(model)] = {k: model.__dict__.get(k) for k in ("forward", "_original_forward")}
+
+
 def _assert_under_accelerate_autocast(trainer, bf16):
     """Under mixed precision, fasttrain's forward sits where TRL's was: inside Accelerate's autocast wrapper."""
     from fasttrain.loss import trl_support
@@ -149,12 +168,15 @@ def _assert_under_accelerate_autocast(trainer, bf16):
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
         if model is None:
             continue
-        original = model.__dict__.get("_original_forward")
+        attrs = trainer.forwards_while_training[id(model)]
+        original = attrs["_original_forward"]
         if not bf16:
             assert original is None
             continue
         assert getattr(original.__func__, "_fasttrain_trl_head", False), original
-        assert trl_support._wraps(model.forward, original.__func__)
+        assert trl_support._wraps(attrs["forward"], original.__func__)
+    # after training TRL's own heads are back
+    assert trl_support.fused_calls([trainer.model]) == 0
 
 
 class MySFTTrainer(trl.SFTTrainer):

@@ -43,3 +43,11 @@ def follow_trainer_log_level(level: int) -> None:
         elif _own_handler not in logger.handlers:
             return  # the application took the logger over since
         logger.setLevel(level)
+
+
+def show_status_line() -> None:
+    """fasttrain's status line (INFO) shown whatever level the Trainer runs at: a framework's plugin asks for it,
+    as the line is the user's only view of what ran. A level the application set on the logger stays."""
+    ours = _own_handler is not None and _own_handler in logger.handlers  # the level follows the Trainer's
+    if logger.level == logging.NOTSET or (ours and logger.level > logging.INFO):
+        logger.setLevel(logging.INFO)

@@ -3,7 +3,9 @@
 ``patch()`` wraps ``transformers.Trainer.__init__`` so that every Trainer (TRL's SFTTrainer, DPOTrainer, ...)
 built from then on goes through ``fasttrain.integration.apply`` once its ``__init__`` has run. Nothing else
 is replaced: no optimizer registry, no ``LOSS_MAPPING`` (the Trainer checks it by identity). A second
-``patch()`` only changes the hot paths; ``unpatch()`` puts back the very same ``__init__``.
+``patch()`` only changes the hot paths; ``unpatch()`` puts back the very same ``__init__`` and takes fasttrain's
+forward off the models of the trainers built while patched (``integration.detach_patched``), so their models answer every
+call with their own forward again, even mid-training.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def _patched_init(original: Any) -> Any:
         from .trainer import Trainer
 
         if not isinstance(self, Trainer):  # fasttrain.Trainer applies the seam itself, with its own hot_paths
-            integration.apply(self, _hot_paths)
+            integration.apply(self, _hot_paths, patched=True)
 
     return __init__
 
@@ -48,9 +50,11 @@ def patch(hot_paths: HotPaths | None = None) -> None:
 
 
 def unpatch() -> None:
-    """Undo ``patch()``: ``transformers.Trainer`` gets back its own ``__init__``. Idempotent."""
+    """Undo ``patch()``: ``transformers.Trainer`` gets back its own ``__init__``, and the models of trainers built
+    while patched get back their own forward. Idempotent."""
     global _original_init, _hot_paths
     with _lock:
         if _original_init is not None:
             transformers.Trainer.__init__ = _original_init
         _original_init, _hot_paths = None, None
+    integration.detach_patched("fasttrain.unpatch() was called")

@@ -21,21 +21,32 @@ weakly. The Trainer's callbacks, arguments, logs and checkpoints are not touched
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
-from .._logging import follow_trainer_log_level, log_once
+from .._logging import follow_trainer_log_level, log_once, show_status_line
 from ..hot_paths import HotPaths
 from . import budget, clip, collator, loss, optimizer, packing, sampler
-from .ledger import Seam, attach, seam_of
+from .ledger import Seam, attach, find_seam, seam_of
 from .trainer_api import deepspeed_config, launched_alone_problem
 
-__all__ = ["Seam", "apply", "seam_of"]
+__all__ = ["Seam", "apply", "apply_from_plugin", "detach_patched", "seam_of"]
+
+
+_patched: weakref.WeakSet[Any] = weakref.WeakSet()  # live trainers fasttrain.patch() applied the seam to
 
 
 def apply(
-    trainer: Any, hot_paths: HotPaths | None = None, *, max_tokens_per_batch: int | None = None
+    trainer: Any,
+    hot_paths: HotPaths | None = None,
+    *,
+    max_tokens_per_batch: int | None = None,
+    patched: bool = False,
 ) -> None:
-    """Switch fasttrain's hot paths on for ``trainer`` (once, right after ``Trainer.__init__``)."""
+    """Switch fasttrain's hot paths on for ``trainer`` (once, right after ``Trainer.__init__``). ``patched``: by
+    ``fasttrain.patch()``, whose ``unpatch()`` takes them off again (``detach_patched``)."""
+    if patched:
+        _patched.add(trainer)
     seam = attach(trainer, HotPaths.from_env(hot_paths))
     trainer.hot_paths = seam.paths
     trainer.fasttrain_status = seam.status
@@ -58,3 +69,25 @@ def apply(
         clip.arm(trainer, seam)
     if seam.paths.loss:
         loss.arm(trainer, seam)
+
+
+def apply_from_plugin(trainer: Any, hot_paths: HotPaths) -> None:
+    """A framework's plugin hands over the trainer it built (``fasttrain.integrations``): the seam, unless
+    ``patch()`` (``FASTTRAIN_PATCH=1``) already applied it in that trainer's ``__init__``; and the status line
+    shown at INFO, which the framework's logging might otherwise hide."""
+    if find_seam(trainer) is None:
+        apply(trainer, hot_paths)
+    if trainer.args.process_index == 0:  # one line per run, not one per rank
+        show_status_line()
+
+
+def detach_patched(reason: str) -> None:
+    """Take off what fasttrain put on the models of every live trainer ``patch()`` reached (the fused forward, TRL
+    heads served by fasttrain) and keep it off: ``fasttrain.unpatch()``. The optimizer a run already built stays:
+    it is the trainer's own from then on."""
+    trainers = list(_patched)
+    _patched.clear()
+    for trainer in trainers:
+        seam = find_seam(trainer)
+        if seam is not None and seam.paths.loss:
+            loss.detach(trainer, seam, reason)

@@ -41,7 +41,11 @@ class Seam:
         self.packer: Any = None  # the PackingCollator of the last training loader built
         self.packed_steps = 0  # training steps whose inputs were a packed batch
         self.trl_decided = False  # the TRL fused head was looked for (at the first compute_loss)
-        self.trl_models: list[Any] = []  # the models whose TRL head fasttrain serves
+        self.trl_calls_done = 0  # forwards fasttrain served in earlier trainings (the heads went back after)
+        self.loss_watch: Any = None  # the loss path's state (integration.loss._Watch)
+        self.clip_bypassed: str | None = (
+            None  # the trainer's _clip_grad_norm clipped without Accelerate's clip
+        )
 
     def off(self, name: str, reason: str, fallback: bool = True) -> None:
         """Record why ``name`` does not run; ``fallback`` when the user asked for it and it could apply."""

@@ -118,10 +118,14 @@ def enable(trainer: Any) -> str | None:
 
 
 def disable(trainer: Any) -> None:
-    """TRL's own heads back on this trainer's models."""
-    trl_support.stop_serving(_models(trainer))
+    """TRL's own heads back on this trainer's models (the forwards served so far stay counted)."""
+    served = trl_support.stop_serving(_models(trainer))
+    seam = find_seam(trainer)
+    if seam is not None:
+        seam.trl_calls_done += served
 
 
 def fused_calls(trainer: Any) -> int:
     """How many forwards of this trainer's models took fasttrain's kernel."""
-    return trl_support.fused_calls(_models(trainer))
+    seam = find_seam(trainer)
+    return trl_support.fused_calls(_models(trainer)) + (seam.trl_calls_done if seam is not None else 0)

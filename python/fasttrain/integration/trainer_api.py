@@ -59,14 +59,44 @@ def override(trainer: Any, name: str, hook: Callable[..., Any], *, replaces: boo
     trainer.__dict__[name] = call
 
 
-def private_hook_problem(trainer: Any, name: str, parameters: tuple[str, ...]) -> str | None:
-    """Why the private ``Trainer.<name>`` cannot be hooked on this trainer (None when it can): this transformers
-    lacks it or has another signature, or the trainer's class overrides it."""
+def on_train_end(trainer: Any, hook: Callable[[Any], None]) -> None:
+    """``hook(trainer)`` after the Trainer's ``on_train_end`` event (the end of every ``train()``), through the
+    trainer's callback handler: the callbacks themselves stay the user's. The handler's method is looked up at call
+    time; the trainer is held weakly."""
+    handler = trainer.callback_handler
+    previous = handler.__dict__.get("on_train_end")
+    ref, handler_ref = weakref.ref(trainer), weakref.ref(handler)  # no cycle through the handler's __dict__
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        owner = handler_ref()
+        control = (previous or _bind(inspect.getattr_static(type(owner), "on_train_end"), owner))(
+            *args, **kwargs
+        )
+        this = ref()
+        if this is not None:
+            hook(this)
+        return control
+
+    handler.__dict__["on_train_end"] = call
+
+
+def private_hook_missing(name: str, parameters: tuple[str, ...]) -> str | None:
+    """Why the private ``Trainer.<name>`` is not the one fasttrain knows (None when it is): this transformers lacks
+    it or has another signature."""
     reference = getattr(transformers.Trainer, name, None)
     if reference is None:
         return f"transformers {transformers.__version__} has no Trainer.{name}"
     if tuple(inspect.signature(reference).parameters)[1:] != parameters:
         return f"Trainer.{name} in transformers {transformers.__version__} has another signature"
+    return None
+
+
+def private_hook_problem(trainer: Any, name: str, parameters: tuple[str, ...]) -> str | None:
+    """Why the private ``Trainer.<name>`` cannot be hooked on this trainer (None when it can): this transformers
+    lacks it or has another signature, or the trainer's class overrides it."""
+    missing = private_hook_missing(name, parameters)
+    if missing is not None:
+        return missing
     owner = mro_owner(type(trainer), name)
     if owner is not transformers.Trainer:
         return f"{owner.__name__} overrides {name}"

@@ -239,12 +239,16 @@ def _state(model: nn.Module) -> _HeadState | None:
     return model.__dict__.get(_STATE_ATTR)
 
 
-def stop_serving(models: list[nn.Module]) -> None:
-    """Put TRL's own fused heads back (exactly, where nothing has wrapped the forward since)."""
+def stop_serving(models: list[nn.Module]) -> int:
+    """Put TRL's own fused heads back (exactly, where nothing has wrapped the forward since). Returns how many
+    forwards fasttrain's kernel served since ``serve`` (their counters start again from zero)."""
+    served = 0
     for model in models:
         state = _state(model)
         if state is None:
             continue
+        served += state.fused_calls
+        state.fused_calls = 0
         if model.__dict__.get("forward") is state.installed:
             for name in ("forward", "_original_forward"):
                 model.__dict__.pop(name, None)
@@ -252,6 +256,7 @@ def stop_serving(models: list[nn.Module]) -> None:
             del model.__dict__[_STATE_ATTR]
         else:
             state.active = False
+    return served
 
 
 def fused_calls(models: list[nn.Module]) -> int:
