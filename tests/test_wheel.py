@@ -49,9 +49,18 @@ def test_wheel_contents(wheel: Path) -> None:
     assert "fasttrain/py.typed" in names
     assert any(n.startswith("fasttrain/_native") and n.endswith(".so") for n in names)
     assert "cp310-abi3" in wheel.name, "the wheel must be abi3 so one build serves Python 3.10+"
+    assert "fasttrain-autopatch.pth" in names, "FASTTRAIN_PATCH=1 needs the .pth at the root of site-packages"
+    entry_points = (
+        zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    )
+    assert (
+        "[axolotl.plugins]" in entry_points
+        and "fasttrain.integrations.axolotl:FasttrainPlugin" in entry_points
+    )
 
 
-def test_wheel_imports_in_fresh_venv(wheel: Path, tmp_path: Path) -> None:
+def _fresh_venv_with(wheel: Path, tmp_path: Path) -> tuple[Path, str]:
+    """A new virtual environment with the wheel unpacked into it: (its python, its site-packages)."""
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)
     py = env_dir / "bin" / "python"
@@ -66,6 +75,11 @@ def test_wheel_imports_in_fresh_venv(wheel: Path, tmp_path: Path) -> None:
     # The heavy dependencies (torch, ...) come from the development environment. A path added by a .pth
     # file is not itself a site directory, so the editable install's own .pth there is not followed.
     (Path(target) / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return py, target
+
+
+def test_wheel_imports_in_fresh_venv(wheel: Path, tmp_path: Path) -> None:
+    py, target = _fresh_venv_with(wheel, tmp_path)
     code = (
         "import fasttrain, fasttrain._native, fasttrain.kernels.adamw, sys\n"
         f"assert fasttrain.__file__.startswith({target!r}), fasttrain.__file__\n"
@@ -83,3 +97,27 @@ def fasttrain_version() -> str:
     import fasttrain
 
     return fasttrain.__version__
+
+
+@pytest.mark.parametrize("switch", ["1", "", "0"])
+def test_fasttrain_patch_in_the_environment_patches_any_program(
+    wheel: Path, tmp_path: Path, switch: str
+) -> None:
+    """The wheel's .pth: with FASTTRAIN_PATCH set, transformers' Trainer is patched as soon as it is imported (and
+    nothing of fasttrain's is imported before that); unset or 0, nothing happens."""
+    py, _ = _fresh_venv_with(wheel, tmp_path)
+    code = (
+        "import sys\n"
+        "early = sorted(m for m in sys.modules if m.startswith(('fasttrain.patching', 'torch')))\n"
+        "import transformers\n"
+        "transformers.Trainer  # transformers imports its trainer module on this first access\n"
+        "import fasttrain.patching as p\n"
+        "print(early, p._original_init is not None)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "FASTTRAIN_PATCH"}
+    if switch:
+        env["FASTTRAIN_PATCH"] = switch
+    done = subprocess.run([str(py), "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == str(switch == "1"), done.stdout
+    assert done.stdout.startswith("[]"), done.stdout  # torch and the patch waited for transformers' Trainer
