@@ -199,7 +199,7 @@ class Run:
     status: dict[str, str] | None
     status_line: str | None
     wall_s: float
-    output: str  # the CLI's stdout and stderr, interleaved
+    output: str = dataclasses.field(repr=False)  # the CLI's stdout and stderr, interleaved
 
 
 def parse_status(line: str) -> dict[str, str]:
