@@ -112,6 +112,7 @@ def test_sft_status_says_optimizer_clip_and_loss_on(runs, bf16):
     assert status["optimizer"] == "on"
     assert status["clip"] == "on"
     assert status["loss"] == "on"
+    assert status["collator"] == "on"  # the plugin's Rust twin of Axolotl's DataCollatorForSeq2Seq
 
 
 def test_dpo_steps_match_plain_axolotl(runs):
@@ -123,3 +124,9 @@ def test_dpo_status_says_optimizer_and_clip_on(runs):
     status = the_status(*runs("dpo"))
     assert status["optimizer"] == "on"
     assert status["clip"] == "on"
+    # Axolotl 0.21 pins TRL 1.14.1, whose DPOTrainer has no fused-head contract to serve (docs/support.md)
+    assert status["loss"] == (
+        "off: TRL 1.14.1 has no fused LM head (the contract fasttrain serves, added in TRL 1.16): its trainers "
+        "compute their log-probs and metrics from the full logits inside their own loss, so their loss keeps "
+        "TRL's path"
+    )

@@ -15,10 +15,15 @@ Then, at Axolotl's hooks:
   kernels are fine: set its fused cross-entropy off, or ``fasttrain_disable: [loss]``);
 - ``post_model_load`` (after PEFT): says whether the model's loss can be fused, and why not;
 - ``get_training_args``: ``fasttrain_optim_args`` become the Trainer's ``optim_args``;
+- ``get_collator_cls_and_kwargs``: fasttrain's Rust ``DataCollatorForSeq2Seq`` where Axolotl would use its plain
+  ``DataCollatorForSeq2Seq`` (same batches byte for byte on rows without ``position_ids``; ``collator_problem``
+  says where not);
 - ``post_trainer_create``: fasttrain's seam on the trainer Axolotl built (``fasttrain.integration.apply``; the fused
-  forward goes on the model when training starts), its status logged after the first optimizer step.
+  forward goes on the model when training starts), its status logged after the first optimizer step -- through
+  Axolotl's logging (as ``axolotl.integrations.fasttrain``), whose console shows other libraries' INFO lines only
+  with ``LOG_LEVEL=INFO``.
 
-Axolotl's ``sample_packing`` stays Axolotl's: its collators are not ones fasttrain replaces, so fasttrain's
+Axolotl's ``sample_packing`` stays Axolotl's: its packing collators are not ones fasttrain replaces, so fasttrain's
 collator and packing paths say so in the status and leave its batches as they are.
 """
 
@@ -33,6 +38,29 @@ from pydantic import BaseModel, field_validator
 from ..hot_paths import HotPaths
 
 _logger = logging.getLogger("fasttrain")
+# Axolotl's console shows other libraries' loggers from LOG_LEVEL up (WARNING by default) and its own from INFO up:
+# fasttrain's lines go out under this name, so that its status line shows as Axolotl's own messages do
+_AXOLOTL_NAME = "axolotl.integrations.fasttrain"
+
+
+class _ThroughAxolotl(logging.Handler):
+    """Re-logs fasttrain's records under ``axolotl.integrations.fasttrain`` (Axolotl's handlers, filters, files)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        target = logging.getLogger(_AXOLOTL_NAME)
+        target.handle(logging.makeLogRecord({**record.__dict__, "name": target.name}))
+
+
+def _log_through_axolotl() -> None:
+    from axolotl.logging_config import AxolotlOrWarnErrorFilter
+
+    if not any(isinstance(h, _ThroughAxolotl) for h in _logger.handlers):
+        _logger.addHandler(_ThroughAxolotl())
+        _logger.propagate = False  # each line once: through Axolotl's logger only
+    # A logger made after Axolotl set up logging carries Axolotl's filter for other libraries (INFO dropped):
+    # fasttrain's records are Axolotl's to filter now, at its handlers, as ``axolotl.integrations.fasttrain``
+    for found in [f for f in _logger.filters if isinstance(f, AxolotlOrWarnErrorFilter)]:
+        _logger.removeFilter(found)
 
 
 class FasttrainArgs(BaseModel):
@@ -63,6 +91,33 @@ def _hot_paths(cfg: Any) -> HotPaths:
     return HotPaths(**dict.fromkeys(cfg.get("fasttrain_disable") or (), False))
 
 
+def collator_problem(cfg: Any) -> str | None:
+    """Why Axolotl's collator for this config is not its plain ``DataCollatorForSeq2Seq`` on rows without
+    ``position_ids`` (None: it is, and fasttrain's Rust ``DataCollatorForSeq2Seq`` makes the same batches, byte
+    for byte: keys, dtypes, values, for every padding side and ``pad_to_multiple_of``)."""
+    for key in (
+        "sample_packing",
+        "eval_sample_packing",
+        "batch_flattening",
+        "reward_model",
+        "process_reward_model",
+    ):
+        if cfg.get(key):
+            return f"{key} collates with another of Axolotl's collators"
+    if cfg.get("processor_type"):
+        return "a multimodal model collates with Axolotl's multimodal collator"
+    if cfg.get("pretraining_dataset"):
+        return "pretraining datasets are collated by Axolotl's pretraining path"
+    if (cfg.get("context_parallel_size") or 1) > 1:
+        return "context parallelism pads position_ids, which fasttrain's collator does not take"
+    from axolotl.model_support import get_model_support_for_cfg, resolve_model_support
+
+    profile = resolve_model_support(get_model_support_for_cfg(cfg))
+    if profile is not None and profile.strategies.collator_factory is not None:
+        return f"the {cfg.get('model_config_type')} model's support profile brings its own collator"
+    return None
+
+
 def stacked_heads(cfg: Any) -> list[str]:
     """The other fused LM heads this config switches on (each replaces the head and loss fasttrain serves)."""
     plugins = " ".join(cfg.get("plugins") or ())
@@ -83,7 +138,10 @@ class FasttrainPlugin(BasePlugin):
         return "fasttrain.integrations.axolotl.FasttrainArgs"
 
     def pre_model_load(self, cfg: Any) -> None:
-        if not _on(cfg) or not _hot_paths(cfg).loss:
+        if not _on(cfg):
+            return
+        _log_through_axolotl()
+        if not _hot_paths(cfg).loss:
             return
         others = stacked_heads(cfg)
         if others:
@@ -103,6 +161,19 @@ class FasttrainPlugin(BasePlugin):
         else:
             _logger.warning("fasttrain: the loss keeps the model's own path: %s", problem)
 
+    def get_collator_cls_and_kwargs(self, cfg: Any, is_eval: bool = False) -> tuple[type, dict] | None:
+        """fasttrain's Rust ``DataCollatorForSeq2Seq`` where Axolotl would use its plain one (Axolotl calls it with
+        the tokenizer and its own padding arguments); Axolotl's choice everywhere else."""
+        if not _on(cfg) or not _hot_paths(cfg).collator:
+            return None
+        problem = collator_problem(cfg)
+        if problem is not None:
+            _logger.info("fasttrain: Axolotl's collator stays: %s", problem)
+            return None
+        from ..data.collators import DataCollatorForSeq2Seq
+
+        return DataCollatorForSeq2Seq, {}
+
     def get_training_args(self, cfg: Any) -> dict[str, Any] | None:
         if not _on(cfg) or not cfg.get("fasttrain_optim_args"):
             return None
@@ -115,4 +186,5 @@ class FasttrainPlugin(BasePlugin):
             return
         from .. import integration
 
+        _log_through_axolotl()
         integration.apply_from_plugin(trainer, _hot_paths(cfg))
