@@ -106,8 +106,9 @@ def trl_problem() -> str | None:
             from trl.trainer.utils import add_fused_lm_head  # noqa: F401
         except ImportError:
             return (
-                f"TRL {trl.__version__} has no fused LM head: its trainers read the logits (entropy, token "
-                "accuracy), so their loss keeps TRL's path"
+                f"TRL {trl.__version__} has no fused LM head (the contract fasttrain serves, added in TRL "
+                f"{first}): its trainers compute their log-probs and metrics from the full logits inside their "
+                "own loss, so their loss keeps TRL's path"
             )
         return f"TRL {trl.__version__}: fasttrain serves TRL's fused LM head for TRL >= {first}, < {end}"
     return None
