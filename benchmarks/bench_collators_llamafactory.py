@@ -1,21 +1,17 @@
-"""LLaMA-Factory 0.9.5's SFT, DPO and KTO collators against transformers' DataCollatorForSeq2Seq and fasttrain's.
+"""LLaMA-Factory 0.9.5's SFT collator against the twin fasttrain installs in its place.
 
 Run in LLaMA-Factory's environment (bash .ci/env-llamafactory):
 
     .ci-envs/llamafactory/bin/python benchmarks/bench_collators_llamafactory.py           # writes results/
     .ci-envs/llamafactory/bin/python benchmarks/bench_collators_llamafactory.py --smoke   # checks the script
 
-1. Equivalence. Each collator is built as LLaMA-Factory's workflow builds it (train/{sft,dpo,kto}/workflow.py:
-   the qwen3 template, the model, pad_to_multiple_of=8, label_pad_token_id=-100, the tokenizer right-padded) and
-   called on rows as its dataset hands them over (Python lists, with images/videos/audios None). Its batch is
-   compared (type, keys in order, dtypes, shapes, values) with what transformers' DataCollatorForSeq2Seq and
-   fasttrain's make from the same rows without the media keys, with the same arguments: the pairwise collator
-   pads the chosen rows then the rejected rows as one batch, the KTO collator pads the target and KL rows as two
-   batches (kl_* keys) and adds kto_tags (a bool tensor). The cases that must differ are checked to differ (the
-   check can fail): neat_packing's block-diagonal 4D mask.
-2. Speed. The SFT collator against fasttrain.DataCollatorForSeq2Seq (and transformers' as a reference point), on
-   batches of 2 to 64 rows of lengths uniform in [16, --max-len], the prompt masked; fasttrain's time includes
-   dropping the media keys (what a replacement would have to do). Calls alternate; medians.
+The collator is built as LLaMA-Factory's SFT workflow builds it (train/sft/workflow.py: the qwen3 template, the
+model, pad_to_multiple_of=8, label_pad_token_id=-100, the tokenizer right-padded) and called on rows as its dataset
+hands them over (Python lists, images/videos/audios None). Its twin (``fasttrain.integration.llamafactory.
+native_collator``) runs all of LLaMA-Factory's code and pads in Rust: the batches are the same byte for byte
+(checked on the first batch here; tests/_llamafactory_collators.py checks every option). Batches of 2 to 64 rows of
+lengths uniform in [16, --max-len], the prompt masked; calls alternate; medians. (transformers' own
+DataCollatorForSeq2Seq is timed beside them as a reference point.)
 
 Figures are written by this script only; never type them by hand.
 """
@@ -35,7 +31,7 @@ import torch
 import transformers
 
 import _common
-import fasttrain
+from fasttrain.integration.llamafactory import native_collator
 
 MEDIA = ("images", "videos", "audios")
 IGNORE_INDEX = -100
@@ -90,48 +86,13 @@ def sft_row(rng: np.random.Generator, low: int, high: int, vocab: int) -> dict:
     return {"input_ids": ids, "attention_mask": [1] * n, "labels": [IGNORE_INDEX] * prompt + ids[prompt:]}
 
 
-def rows(stage: str, batch: int, rng: np.random.Generator, low: int, high: int, vocab: int) -> list[dict]:
-    """Rows as LLaMA-Factory's processors (data/processor/*.py) write them, media columns None."""
-    out = []
-    for i in range(batch):
-        if stage == "sft":
-            row = sft_row(rng, low, high, vocab)
-        elif stage == "dpo":
-            row = {
-                f"{side}_{k}": v
-                for side in ("chosen", "rejected")
-                for k, v in sft_row(rng, low, high, vocab).items()
-            }
-        else:
-            target, kl = sft_row(rng, low, high, vocab), sft_row(rng, low, high, vocab)
-            row = {**target, **{f"kl_{k}": v for k, v in kl.items()}, "kto_tags": i % 3 != 1}
-        out.append({**row, **dict.fromkeys(MEDIA)})
-    return out
+def rows(batch: int, rng: np.random.Generator, low: int, high: int, vocab: int) -> list[dict]:
+    """SFT rows as LLaMA-Factory's processor (data/processor/supervised.py) writes them, media columns None."""
+    return [{**sft_row(rng, low, high, vocab), **dict.fromkeys(MEDIA)} for _ in range(batch)]
 
 
 def without_media(batch: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in MEDIA} for row in batch]
-
-
-def seq2seq_equivalent(collate, stage: str, batch: list[dict]):
-    """What DataCollatorForSeq2Seq (``collate``) makes of the rows for LLaMA-Factory's ``stage`` collator."""
-    plain = without_media(batch)
-    if stage == "sft":
-        return collate(plain)
-    if stage == "dpo":
-        return collate(
-            [
-                {k.removeprefix(f"{side}_"): row[k] for k in row if k.startswith(f"{side}_")}
-                for side in ("chosen", "rejected")
-                for row in plain
-            ]
-        )
-    out = collate([{k: row[k] for k in ("input_ids", "attention_mask", "labels")} for row in plain])
-    kl = collate([{k: row[f"kl_{k}"] for k in ("input_ids", "attention_mask", "labels")} for row in plain])
-    for k in ("input_ids", "attention_mask", "labels"):
-        out[f"kl_{k}"] = kl[k]
-    out["kto_tags"] = torch.tensor([row["kto_tags"] for row in plain])
-    return out
 
 
 def difference(a, b) -> str | None:
@@ -149,54 +110,6 @@ def difference(a, b) -> str | None:
     return None
 
 
-def check_equivalence(rng: np.random.Generator) -> list[dict]:
-    """Each LLaMA-Factory collator against transformers' and fasttrain's DataCollatorForSeq2Seq (see the
-    module's docstring); neat packing's SFT collator must differ."""
-    tok, model, sft, dpo, kto = build()
-    hf = transformers.DataCollatorForSeq2Seq(
-        tok, model=model, pad_to_multiple_of=8, label_pad_token_id=IGNORE_INDEX
-    )
-    ours = fasttrain.DataCollatorForSeq2Seq(
-        tok, model=model, pad_to_multiple_of=8, label_pad_token_id=IGNORE_INDEX
-    )
-    results = []
-    for stage, collator in (("sft", sft), ("dpo", dpo), ("kto", kto)):
-        for batch_size, high in ((1, 9), (2, 40), (7, 300), (16, 2048)):
-            batch = rows(stage, batch_size, rng, 2, high, len(tok))
-            theirs = collator([dict(row) for row in batch])  # it pops the media keys: give it copies
-            for name, collate in (("transformers", hf), ("fasttrain", ours)):
-                diff = difference(theirs, seq2seq_equivalent(collate, stage, batch))
-                results.append(
-                    {
-                        "collator": type(collator).__name__,
-                        "against": name,
-                        "batch": batch_size,
-                        "max_len": high,
-                        "keys": list(theirs.keys()),
-                        "identical": diff is None,
-                        "difference": diff,
-                    }
-                )
-                if diff is not None:
-                    raise SystemExit(f"{type(collator).__name__} vs {name}, batch {batch_size}: {diff}")
-    packed = build(neat_packing=True)[2]
-    batch = rows("sft", 4, rng, 2, 40, len(tok))
-    diff = difference(packed([dict(row) for row in batch]), hf(without_media(batch)))
-    if diff is None:
-        raise SystemExit("neat_packing's collator made DataCollatorForSeq2Seq's batch: the check cannot tell")
-    results.append(
-        {
-            "collator": "SFTDataCollatorWith4DAttentionMask(neat_packing, sdpa)",
-            "against": "transformers",
-            "batch": 4,
-            "max_len": 40,
-            "identical": False,
-            "difference": diff,
-        }
-    )
-    return results
-
-
 def timed(fn, batch) -> float:
     with _common.gc_paused():
         start = time.perf_counter()
@@ -209,17 +122,14 @@ def measure(args, rng: np.random.Generator) -> list[dict]:
     hf = transformers.DataCollatorForSeq2Seq(
         tok, model=model, pad_to_multiple_of=8, label_pad_token_id=IGNORE_INDEX
     )
-    ours = fasttrain.DataCollatorForSeq2Seq(
-        tok, model=model, pad_to_multiple_of=8, label_pad_token_id=IGNORE_INDEX
-    )
     contenders = {
         "llamafactory": sft,
         "transformers": lambda b: hf(without_media(b)),
-        "fasttrain": lambda b: ours(without_media(b)),
+        "fasttrain": native_collator(sft),  # LLaMA-Factory's code, padded in Rust
     }
     results = []
     for batch_size in args.batch_sizes:
-        batches = [rows("sft", batch_size, rng, 16, args.max_len, len(tok)) for _ in range(args.batches)]
+        batches = [rows(batch_size, rng, 16, args.max_len, len(tok)) for _ in range(args.batches)]
         assert difference(sft([dict(r) for r in batches[0]]), contenders["fasttrain"](batches[0])) is None
         for fn in contenders.values():  # warm-up: first calls pay for imports and allocations
             fn([dict(r) for r in batches[0]])
@@ -245,33 +155,21 @@ def measure(args, rng: np.random.Generator) -> list[dict]:
 def markdown(r: dict) -> str:
     m, s = r["machine"], r["setup"]
     lines = [
-        "# LLaMA-Factory's collators: equivalence to DataCollatorForSeq2Seq, and speed against fasttrain's",
+        "# LLaMA-Factory's SFT collator against fasttrain's twin of it",
         "",
         f"- Date (UTC): {r['date_utc']}",
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}; load average at start "
         f"{', '.join(f'{x:.1f}' for x in m['load_average_1_5_15min_at_start'])}",
         "- Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()),
         f"- Command: `{r['command']}`",
-        f"- Speed: SFTDataCollatorWith4DAttentionMask as LLaMA-Factory builds it vs DataCollatorForSeq2Seq "
-        f"(pad_to_multiple_of=8, label_pad_token_id=-100), rows of lengths uniform in [16, {s['max_len']}], "
-        f"{s['calls']} alternating calls over {s['batches']} batches per size, medians; the media keys "
-        "(None) dropped in Python before transformers' and fasttrain's call, inside the timed call.",
-        "",
-        "## Equivalence (type, keys in order, dtypes, shapes, values)",
-        "",
-        "| LLaMA-Factory collator | against DataCollatorForSeq2Seq of | batch | max length | identical | difference |",
-        "| --- | --- | ---: | ---: | --- | --- |",
-    ]
-    for x in r["equivalence"]:
-        lines.append(
-            f"| {x['collator']} | {x['against']} | {x['batch']} | {x['max_len']} | "
-            f"{'yes' if x['identical'] else 'no'} | {x['difference'] or ''} |"
-        )
-    lines += [
+        f"- SFTDataCollatorWith4DAttentionMask as LLaMA-Factory builds it, and fasttrain's twin of it (the same "
+        f"object, padded in Rust); transformers' DataCollatorForSeq2Seq beside them (pad_to_multiple_of=8, "
+        f"label_pad_token_id=-100, media keys dropped inside the timed call). Rows of lengths uniform in "
+        f"[16, {s['max_len']}], {s['calls']} alternating calls over {s['batches']} batches per size, medians.",
         "",
         "## Speed (examples/s)",
         "",
-        "| batch | LLaMA-Factory SFT | transformers | fasttrain | fasttrain / LLaMA-Factory |",
+        "| batch | LLaMA-Factory SFT | transformers | fasttrain's twin | twin / LLaMA-Factory |",
         "| ---: | ---: | ---: | ---: | ---: |",
     ]
     for x in r["speed"]:
@@ -299,12 +197,6 @@ def main() -> None:
         args.batch_sizes, args.max_len, args.calls, args.batches = [2, 8], 64, 3, 2
     transformers.logging.set_verbosity_error()
     rng = np.random.default_rng(args.seed)
-    equivalence = check_equivalence(rng)
-    print(
-        f"equivalence: {sum(x['identical'] for x in equivalence)} identical cases, neat packing differs "
-        f"({equivalence[-1]['difference']})",
-        flush=True,
-    )
     record = {
         "benchmark": "collators_llamafactory",
         "date_utc": _common.utc_now(),
@@ -317,7 +209,6 @@ def main() -> None:
         },
         "versions": _common.versions("llamafactory", "fasttrain", "transformers", "torch", "numpy"),
         "setup": {"max_len": args.max_len, "calls": args.calls, "batches": args.batches, "seed": args.seed},
-        "equivalence": equivalence,
         "speed": measure(args, rng),
     }
     if args.smoke:

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -140,5 +142,25 @@ def test_fasttrain_status(runs, stage, bf16):
     assert list(fast.status) == list(lf.PATHS), fast.status_line
     # SFT: LLaMA-Factory's CustomSeq2SeqTrainer ends in the Trainer's loss; DPO and KTO compute log-probs
     # themselves (concatenated_forward, forward), which fasttrain's chunked log-prob head serves.
-    expected = {"optimizer": "on", "clip": "on", "loss": "on"}
+    # Their collators keep LLaMA-Factory's code and pad in Rust (test_collators_pad_in_rust_and_batch_the_same).
+    expected = {"optimizer": "on", "clip": "on", "loss": "on", "collator": "on"}
     assert {path: fast.status[path] for path in expected} == expected, fast.status_line
+
+
+def test_collators_pad_in_rust_and_batch_the_same(tmp_path):
+    """LLaMA-Factory's SFT, pairwise and KTO collators against their fasttrain twins, in LLaMA-Factory's
+    environment: the same batches byte for byte over batch sizes, lengths, padding sides, pad_to_multiple_of and
+    neat packing, padded in Rust (tests/_llamafactory_collators.py)."""
+    if not lf.python().exists():
+        message = f"no LLaMA-Factory environment at {lf.python()}: run bash .ci/env-llamafactory"
+        if os.environ.get("FASTTRAIN_REQUIRE_CLIENTS") == "1":
+            pytest.fail(message + " (FASTTRAIN_REQUIRE_CLIENTS=1)")
+        pytest.skip(message)
+    script = Path(__file__).with_name("_llamafactory_collators.py")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(
+        [str(lf.python()), str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.stdout.strip().splitlines()[-1].startswith("OK 64 batches identical"), done.stdout[-2000:]

@@ -268,7 +268,9 @@ def refusal(collator: Any) -> str | None:
     theirs_cls = next(base for base in ours_cls.__mro__[1:] if base in KNOWN_FIELDS)
     name = theirs_cls.__name__
     version = transformers.__version__
-    unknown = sorted(set(vars(collator)) - KNOWN_FIELDS[theirs_cls])
+    # a framework's subclass whose own fields only its own code reads names them (llamafactory_collators)
+    extra = getattr(type(collator), "fasttrain_extra_fields", frozenset())
+    unknown = sorted(set(vars(collator)) - KNOWN_FIELDS[theirs_cls] - extra)
     if unknown:
         why = f"transformers {version}'s {name} has fields fasttrain's native path does not know: {unknown}"
     else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import llamafactory
 from .ledger import NOT_RUN, Seam
 
 
@@ -32,7 +33,7 @@ def arm(trainer: Any, seam: Seam) -> None:
             fallback=False,
         )
         return
-    native = native_equivalent(current)
+    native = native_equivalent(current) or llamafactory.native_collator(current)
     if native is None:
         # a masked-LM collator, or one the probe refused (this transformers makes other batches, or has a field
         # we do not know), is a class we replace in kind but not here: a fallback; a user's own function or

@@ -7,8 +7,9 @@ two methods are served here from ``model(..., fasttrain_token_stats=labels)`` (`
 log-probs, valid lengths and metrics without the ``[tokens, vocab]`` logits, whatever TRL LLaMA-Factory runs on.
 The returned ``chosen_logits`` / ``rejected_logits`` are what LLaMA-Factory reads of them: per-position means over
 the vocabulary for DPO (whose ``.mean()`` is the logits' mean), per-position sums for KTO (whose ``.nansum()`` is
-the logits' sum), not ``[.., vocab]`` tensors. SFT needs nothing of this module: ``CustomSeq2SeqTrainer``'s
-``compute_loss`` ends in the Trainer's, which the fused loss serves.
+the logits' sum), not ``[.., vocab]`` tensors. SFT's loss needs nothing of this module: ``CustomSeq2SeqTrainer``'s
+``compute_loss`` ends in the Trainer's, which the fused loss serves. The three trainers' collators get their padding
+in Rust (``native_collator``).
 
 Served only for the LLaMA-Factory releases these methods were read against (``TESTED``) and only where the trainer
 runs LLaMA-Factory's own method (a subclass that overrides it keeps its own), text-only (a batch with image or
@@ -66,6 +67,22 @@ def problem(trainer: Any) -> str | None:
             "(the versions it was checked against)"
         )
     return None
+
+
+def native_collator(collator: Any) -> Any | None:
+    """LLaMA-Factory's SFT, pairwise or KTO collator with its padding in Rust (``data.llamafactory_collators``), for
+    the tested LLaMA-Factory releases; None for any other collator, or when the agreement probe refuses the padding
+    (a transformers whose DataCollatorForSeq2Seq makes other batches: logged once)."""
+    from ..data import collator_probe
+    from ..data.llamafactory_collators import twin_of
+
+    version = _version()
+    if version is None or ".".join(version.split(".")[:2]) not in TESTED:
+        return None
+    twin = twin_of(collator)
+    if twin is None or collator_probe.refusal(twin) is not None:
+        return None
+    return twin
 
 
 def arm(trainer: Any) -> None:
