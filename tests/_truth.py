@@ -322,8 +322,8 @@ class Float64TrlHead:
 
 
 def difference_floors(truth) -> dict[str, float]:
-    """Absolute floors for what TRL's trainers (DPO, KTO; GRPO's and RLOO's ``kl``) log as small differences of
-    larger terms.
+    """Absolute floors for what TRL's trainers (DPO, KTO; GRPO's and RLOO's loss and ``kl``) log as small
+    differences of larger terms.
 
     - ``rewards/*`` and ``kl``: ``beta`` times a difference of two sums of log-probs (policy and reference, about -100
       each in the tests): their rounding scales with those sums, not with the difference, so one float32 unit of
@@ -342,23 +342,31 @@ def difference_floors(truth) -> dict[str, float]:
     if sums:
         floor = EPS32 * truth.args.beta * max(sums)
         floors.update({k: floor for k in logs[0] if k.startswith("rewards/") or k == "kl"})
-    elif "kl" in logs[0]:
-        floors["kl"] = _token_kl_floor(truth, logs)
+    elif hasattr(truth.args, "num_generations"):  # GRPO, RLOO: losses and kl over sampled tokens' log-probs
+        floors.update(_sampled_token_floors(truth, logs))
     bound = _largest_logit_bound(truth.model)
     if bound is not None:
         floors.update({k: EPS32 * bound for k in logs[0] if k.startswith("logits/")})
     return floors
 
 
-def _token_kl_floor(truth, logs) -> float:
-    """GRPO's and RLOO's ``kl``: a mean over tokens of ``exp(d) - d - 1``, ``d`` the difference of the reference's
-    and the policy's log-probs, each an fp32 value of about ``log V`` (near-uniform predictions at initialisation)
-    rounded to a unit of itself whatever the order of summation. That moves each token's term by
-    ``|exp(d) - 1| EPS32 log V``, and ``|exp(d) - 1|`` is about ``sqrt(2 kl)`` where kl is small (seen on an AMD EPYC:
-    GRPO's step-2 kl 1.9e-8 from float64 for fasttrain against 4.4e-9 for TRL, both within this floor's 4.9e-8)."""
-    vocab = truth.model.config.get_text_config().vocab_size
-    kl = max((abs(step["kl"]) for step in logs if isinstance(step.get("kl"), float)), default=0.0)
-    return EPS32 * math.log(vocab) * math.sqrt(2 * kl)
+def _sampled_token_floors(truth, logs) -> dict[str, float]:
+    """GRPO's and RLOO's ``loss`` and ``kl``: functions of per-token log-probs, each an fp32 value of about ``log V``
+    (near-uniform predictions at initialisation) rounded to a unit of itself whatever the order of summation, so
+    each token's log-prob carries ``EPS32 log V`` of rounding.
+
+    - ``loss``: a mean over tokens of advantage-weighted importance ratios ``exp(logp - old_logp)`` (advantages
+      normalised to about 1): ``EPS32 log V`` (seen on an AMD EPYC under ATEN_CPU_CAPABILITY=default: GRPO vespo's
+      step-3 loss 2.0e-7 from float64 for fasttrain against 8.4e-8 for TRL, the loss at 4.8e-3);
+    - ``kl``: a mean of ``exp(d) - d - 1``, ``d`` the reference's minus the policy's log-prob, moved by
+      ``|exp(d) - 1| EPS32 log V``, and ``|exp(d) - 1|`` is about ``sqrt(2 kl)`` where kl is small (seen on an AMD
+      EPYC: GRPO's step-2 kl 1.9e-8 from float64 for fasttrain against 4.4e-9 for TRL, the floor 4.9e-8)."""
+    per_token = EPS32 * math.log(truth.model.config.get_text_config().vocab_size)
+    floors = {"loss": per_token}
+    if "kl" in logs[0]:
+        kl = max((abs(step["kl"]) for step in logs if isinstance(step.get("kl"), float)), default=0.0)
+        floors["kl"] = per_token * math.sqrt(2 * kl)
+    return floors
 
 
 def _largest_logit_bound(model) -> float | None:
