@@ -104,9 +104,10 @@ def test_fasttrain_patch_in_the_environment_patches_any_program(
     wheel: Path, tmp_path: Path, switch: str
 ) -> None:
     """The wheel's .pth: with FASTTRAIN_PATCH set, transformers' Trainer is patched as soon as it is imported (and
-    nothing of fasttrain's is imported before that); unset or 0, nothing happens."""
+    nothing of fasttrain's patching nor torch is imported before that); unset or 0, nothing of fasttrain's is
+    imported at all."""
     py, _ = _fresh_venv_with(wheel, tmp_path)
-    code = (
+    on = (
         "import sys\n"
         "early = sorted(m for m in sys.modules if m.startswith(('fasttrain.patching', 'torch')))\n"
         "import transformers\n"
@@ -114,10 +115,13 @@ def test_fasttrain_patch_in_the_environment_patches_any_program(
         "import fasttrain.patching as p\n"
         "print(early, p._original_init is not None)\n"
     )
+    off = "import sys\nprint(sorted(m for m in sys.modules if m.startswith('fasttrain')))\n"
     env = {k: v for k, v in os.environ.items() if k != "FASTTRAIN_PATCH"}
     if switch:
         env["FASTTRAIN_PATCH"] = switch
-    done = subprocess.run([str(py), "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
+    done = subprocess.run(
+        [str(py), "-c", on if switch == "1" else off], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-1] == str(switch == "1"), done.stdout
-    assert done.stdout.startswith("[]"), done.stdout  # torch and the patch waited for transformers' Trainer
+    # on: torch and the patch waited for transformers' Trainer; off: the .pth line imported nothing
+    assert done.stdout.strip() == ("[] True" if switch == "1" else "[]"), done.stdout
