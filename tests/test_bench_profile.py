@@ -60,8 +60,8 @@ def test_the_last_step_is_profiled_and_its_time_is_split_whole(profiled):
     # the tiny model has a 151,936-word head, GEMMs in its layer, attention, and an AdamW step
     for category in ("LM head", "matmuls", "attention", "optimizer"):
         assert p["seconds"][category] > 0, category
-    # the head dominates a model whose head is ~99% of its FLOPs
-    assert p["seconds"]["LM head"] > p["seconds"]["matmuls"]
+    # (which category takes longest is a measurement, not asserted here: under a loaded CI machine the tiny
+    # layer's GEMMs outlasted the 151,936-word head once; the operators' attribution is the test above)
     assert p["user_cpu_s"] > 0 and p["minor_page_faults"] >= 0
 
 

@@ -110,6 +110,21 @@ def test_pending_logits_travel_through_accelerate_fp32_conversion_and_pytree():
     assert rebuilt.logits.dtype == torch.float32 and torch.equal(rebuilt.logits, expected.logits)
 
 
+def test_deepspeed_zero3_output_walk_passes_the_pending_logits_through():
+    """ZeRO-3's forward hooks put every tensor of a module's output through an autograd function, walking it by
+    keys() and output[key] = f(output[key]). The pending logits are no tensor yet: they pass through unread, the
+    loss gets wrapped, and reading the logits afterwards still gives the unpatched forward's."""
+    zero_utils = pytest.importorskip("deepspeed.runtime.zero.utils", reason="DeepSpeed is Linux-only")
+    ref, ours = _pair("qwen3")
+    inputs = _batch(ref.config.vocab_size)
+    out = ours(**inputs)
+    wrapped = []
+    walked = zero_utils.apply_to_tensors_only(lambda t: wrapped.append(t) or t * 1, out)
+    assert walked is out and _pending(out) and fused_loss_usage(ours).logits_reads == 0
+    assert [t.shape for t in wrapped] == [out.loss.shape]  # the loss went through, the pending logits did not
+    assert torch.equal(out.logits, ref(**inputs).logits) and fused_loss_usage(ours).logits_reads == 1
+
+
 def test_walking_the_output_s_dataclass_fields_computes_no_logits():
     """FSDP2 collects the tensors that need gradients by walking dataclass fields with getattr (DDP its dict
     values): neither may compute the logits. A copy or a pickle is the plain output, logits computed."""

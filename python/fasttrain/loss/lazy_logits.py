@@ -11,11 +11,15 @@ Reading it as ``out.logits``, ``out["logits"]``, ``out.get("logits")``, ``out[i]
 logits once and stores them in place. Iterating ``values()`` / ``items()`` does not compute them: that is how generic
 code rebuilds an output (Accelerate's fp32 conversion under mixed precision, DDP's and FSDP2's pytree passes), and
 the pending entry must travel through it unevaluated. For Accelerate's conversion the pending entry reports the
-logits' ``dtype`` and answers ``float()`` with a pending fp32 copy, as a bf16 tensor would.
+logits' ``dtype`` and answers ``float()`` with a pending fp32 copy, as a bf16 tensor would. DeepSpeed ZeRO-3's
+module hooks walk every output by ``keys()`` and ``output[key] = f(output[key])``: its walker gets the pending entry
+as it is (it is no tensor yet, so it passes through untouched; when read later, the output layer's own ZeRO-3 hooks
+gather its weight for the computation).
 """
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -91,11 +95,19 @@ class LazyLogitsOutput(CausalLMOutputWithPast):
     def logits(self, value: Any) -> None:
         self.__dict__["logits"] = value
         if value is not None:
-            OrderedDict.__setitem__(
-                self, "logits", value
-            )  # set between loss and cache by the dataclass __init__
+            OrderedDict.__setitem__(self, "logits", value)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # The entries in the plain output's order (loss, logits, cache, ...), whatever order the dataclass __init__
+        # and this transformers' ModelOutput put them in: positions (out[0], to_tuple()) must mean the same.
+        for name in CausalLMOutputWithPast.__dataclass_fields__:
+            if OrderedDict.__contains__(self, name):
+                OrderedDict.move_to_end(self, name)
 
     def __getitem__(self, key: Any) -> Any:
+        if key == "logits" and _called_by_zero3_walker():
+            return OrderedDict.__getitem__(self, key)  # pending or computed, as it stands
         if isinstance(key, int):  # a position, as in to_tuple(): only the logits' own computes them
             key = list(self.keys())[key]
         if not isinstance(key, str) or key == "logits":
@@ -116,6 +128,15 @@ class LazyLogitsOutput(CausalLMOutputWithPast):
         self.logits  # noqa: B018
         names = CausalLMOutputWithPast.__dataclass_fields__
         return CausalLMOutputWithPast, tuple(self.__dict__.get(name) for name in names)
+
+
+def _called_by_zero3_walker() -> bool:
+    """Whether ``__getitem__``'s caller is DeepSpeed ZeRO-3's output walker (``apply_to_tensors_only``), which
+    rebuilds every module output entry by entry in its forward hooks: a read by it is no read of the logits."""
+    caller = sys._getframe(2)  # 0: this function, 1: __getitem__, 2: whoever indexed the output
+    return caller.f_code.co_name == "apply_to_tensors_only" and caller.f_globals.get(
+        "__name__", ""
+    ).startswith("deepspeed.")
 
 
 def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:

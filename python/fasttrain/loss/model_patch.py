@@ -15,8 +15,8 @@ Otherwise the model's own forward runs unchanged (with logits). So generation an
 keep logits; evaluation keeps logits unless the caller says it only needs the loss
 (``set_eval_fused(model, True)``, meant for the Trainer's ``prediction_loss_only`` evaluation).
 
-The fused path runs the backbone (``model.<base_model_prefix>``) with the same arguments the model's
-forward would pass it, then computes exactly ``ForCausalLMLoss``: labels padded with ``ignore_index``
+The fused path runs the backbone (``model.<base_model_prefix>``, else ``model.model``) with the same arguments
+the model's forward would pass it, then computes exactly ``ForCausalLMLoss``: labels padded with ``ignore_index``
 and shifted left by one (or ``shift_labels`` as given), the sum of token losses divided by
 ``num_items_in_batch`` when given, else the mean over non-ignored tokens; Gemma2/Gemma3's
 ``final_logit_softcapping`` is applied as ``softcap``. It returns ``CausalLMOutputWithPast`` with
@@ -132,8 +132,19 @@ def _unsupported_reason(model: nn.Module) -> str | None:
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear:
         return f"{name}'s output layer is {type(head).__name__}, not a plain nn.Linear (e.g. LoRA on lm_head)"
-    if not isinstance(getattr(model, getattr(model, "base_model_prefix", ""), None), nn.Module):
-        return f"{name} has no backbone at .{getattr(model, 'base_model_prefix', '?')}"
+    if backbone_of(model) is None:
+        return f"{name} has no backbone at .{getattr(model, 'base_model_prefix', '?')} or .model"
+    return None
+
+
+def backbone_of(model: nn.Module) -> nn.Module | None:
+    """The decoder the causal LM's own forward calls: ``model.<base_model_prefix>``, else ``model.model`` (in
+    transformers 4.57 Gemma3ForCausalLM's prefix is ``language_model``, for loading multimodal checkpoints, while
+    its forward calls ``self.model``)."""
+    for attribute in (getattr(model, "base_model_prefix", ""), "model"):
+        backbone = getattr(model, attribute, None) if attribute else None
+        if isinstance(backbone, nn.Module):
+            return backbone
     return None
 
 
@@ -202,7 +213,7 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         )
         return state.original_forward(*args, **kwargs)
     head = self.get_output_embeddings()
-    backbone = getattr(self, self.base_model_prefix)
+    backbone = backbone_of(self)
     problem = _dtensor_problem(_unread_weight(head))
     if problem is not None and not _unsharded_by_backbone(head, backbone):
         log_once(
@@ -269,7 +280,7 @@ def _token_stats_forward(self: nn.Module, state: _FusedLossState, args: tuple, k
     for name in (*_NOT_BACKBONE_ARGS, "return_dict"):
         arguments.pop(name, None)
     head = self.get_output_embeddings()
-    backbone = getattr(self, self.base_model_prefix)
+    backbone = backbone_of(self)
     problem = _dtensor_problem(_unread_weight(head))
     if problem is not None and not _unsharded_by_backbone(head, backbone):
         raise RuntimeError(f"fasttrain token log-probs: {problem}")
