@@ -84,6 +84,19 @@ def test_every_way_of_reading_gives_the_same_tensor_once():
     assert fused_loss_usage(ours).logits_reads == 5  # each output's logits computed once
 
 
+def test_logits_keep_the_grad_mode_of_their_forward_not_of_their_read():
+    """Read under no_grad (an eval callback, a metric) the logits of a training forward still carry its graph, as
+    the unpatched forward's do; those of a no_grad forward read later carry none."""
+    ref, ours = _pair("qwen3")
+    inputs = _batch(ref.config.vocab_size)
+    trained = ours(**inputs)
+    with torch.no_grad():
+        evaluated = ours(**inputs)
+        logits = trained.logits
+    assert logits.requires_grad and torch.equal(logits, ref(**inputs).logits)
+    assert not evaluated.logits.requires_grad
+
+
 def test_the_loss_read_alone_computes_no_logits():
     ref, ours = _pair("qwen3")
     inputs = _batch(ref.config.vocab_size)
