@@ -25,7 +25,7 @@
 # Steps: install (the wheels of --wheels), environment (GPU, versions, origins; fails if fasttrain, trl, ... do not
 # import), hardware (the copy bandwidth and matmul throughput the rooflines divide by), compile (--smoke only:
 # every kernel compiled for sm_90 by this Python's Triton, the GPU machine's in CI's replica), kernels (pytest
-# of .ci/suites' KERNEL_TESTS, compiled for the GPU),
+# of .ci/suites' KERNEL_TESTS, compiled for the GPU; with --smoke collected only),
 # parity (fasttrain.Trainer vs transformers.Trainer, fp32 and bf16), adamw and loss (the kernel benchmarks),
 # loss-speculation (the chunked head's speculation vs the exact recompute), e2e (`fasttrain bench --device cuda`),
 # packing (the same on log-normal lengths: packed vs padded), trl-sft and trl-dpo (`fasttrain bench --trainer
@@ -221,14 +221,17 @@ if [ "$smoke" = 1 ]; then
     step compile env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 "$python" tests/_compile_kernels_sm90.py \
         --each-value
 fi
-xdist=()
-if "$python" -c "import xdist" 2>/dev/null; then
-    # kernel compilation dominates on the GPU machine: compile on four cores at once; in CI's smoke run the Triton
-    # interpreter (single-threaded Python) runs on both cores
-    if [ "$smoke" = 0 ]; then xdist=(-n 4); else xdist=(-n 2 --dist loadfile); fi
+if [ "$smoke" = 1 ]; then
+    # The smoke run collects the kernel tests: every file imports and builds its cases at these versions, with this
+    # step's selection. The kernels themselves run in the adamw and loss steps below (each checks its values), the
+    # whole selection runs interpreted in CI's main and isa stages, and compiled on the GPU machine.
+    step kernels "$python" -m pytest -p no:cacheprovider -q --collect-only -m "$kernel_markers" "${kernel_tests[@]}"
+else
+    xdist=()  # kernel compilation dominates on the GPU machine: compile on four cores at once
+    "$python" -c "import xdist" 2>/dev/null && xdist=(-n 4)
+    step kernels "$python" -m pytest -p no:cacheprovider -q -rfE -m "$kernel_markers" "${xdist[@]}" \
+        --junitxml "$out/kernels.xml" "${kernel_tests[@]}"
 fi
-step kernels "$python" -m pytest -p no:cacheprovider -q -rfE -m "$kernel_markers" "${xdist[@]}" \
-    --junitxml "$out/kernels.xml" "${kernel_tests[@]}"
 step parity "$python" benchmarks/gpu/parity_gpu.py --out "$out" "${smoke_flag[@]}"
 step adamw "$python" benchmarks/gpu/bench_adamw_gpu.py --out "$out" "${smoke_flag[@]}" "${adamw_args[@]}"
 step loss "$python" benchmarks/gpu/bench_loss_gpu.py --out "$out" "${smoke_flag[@]}" "${loss_args[@]}"
