@@ -151,6 +151,13 @@ def _compile(path: Path) -> str:
     return f"{done['done'] - done['failed']} of {done['done']} kernel variants compiled for sm_90"
 
 
+def _collected(path: Path) -> str:
+    """The kernels step without its junit file: pytest's last line (the smoke run's --collect-only says how many
+    tests it collected)."""
+    last = _last_line(path)
+    return f"collected only: {last}" if " collected" in last and " passed" not in last else last
+
+
 def _last_line(path: Path) -> str:
     lines = path.read_text().strip().splitlines()
     return lines[-1] if lines else ""
@@ -159,7 +166,7 @@ def _last_line(path: Path) -> str:
 # step -> (result file, reader); the first file that exists is read
 HEADLINES = {
     "install": [("logs/install.log", _last_line)],
-    "kernels": [("kernels.xml", _junit)],
+    "kernels": [("kernels.xml", _junit), ("logs/kernels.log", _collected)],
     "parity": [("parity_gpu.json", _parity), ("parity_gpu_smoke.json", _parity)],
     "e2e": [("bench_e2e_gpu.json", _bench), ("bench_e2e_gpu_smoke.json", _bench)],
     "packing": [("bench_packing_gpu.json", _bench), ("bench_packing_gpu_smoke.json", _bench)],
