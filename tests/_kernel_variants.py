@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
+KERNELS_DIR = Path(__file__).resolve().parents[1] / "python" / "fasttrain" / "kernels"
 
 BOOL = (False, True)
 FLOAT_KINDS = (0, 1, 2)  # kernels/adamw.py DTYPE_CODES: fp32, bf16, fp16

@@ -1,10 +1,8 @@
-"""The repository's top-level ``kernels/`` folder does not shadow the ``kernels`` package of the hub.
+"""Nothing in the repository shadows the Hugging Face hub's ``kernels`` package.
 
-From the repository's root (on ``sys.path`` under ``python -m pytest`` or ``python -c``), ``import kernels`` must
-find the installed ``kernels`` package when there is one (a stand-in is installed into a temporary folder here),
-and without one nothing transformers or Liger-Kernel would take for it (transformers 5.25 requires the hub package,
-so both cases are met: the installed one as the environment has it, or a stand-in). ``fasttrain.kernels`` still
-imports.
+transformers (5.25 requires it) and Liger-Kernel import a top-level ``kernels``. fasttrain's Triton kernels are
+``fasttrain.kernels``, a plain subpackage; from the repository's root (on ``sys.path`` under ``python -m pytest``
+or ``python -c``) ``import kernels`` must resolve exactly as it does anywhere else.
 """
 
 from __future__ import annotations
@@ -14,47 +12,30 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+FIND = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else '')"
 
 
-def _run(code: str, extra_path: Path | None = None) -> subprocess.CompletedProcess:
-    # the extra folder right after the root (sys.path[0] under -c), ahead of any installed package
-    prelude = "import sys\n" + (f"sys.path.insert(1, {str(extra_path)!r})\n" if extra_path else "")
-    return subprocess.run(
-        [sys.executable, "-c", prelude + code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-
-
-def test_the_root_is_on_the_path_in_these_runs():
-    assert _run("import os; assert os.getcwd() in map(os.path.abspath, sys.path)").returncode == 0
-
-
-def test_from_the_root_an_installed_kernels_package_is_found(tmp_path):
-    (tmp_path / "kernels").mkdir()
-    (tmp_path / "kernels" / "__init__.py").write_text("def get_kernel(name):\n    return 'hub:' + name\n")
-    done = _run("import kernels\nprint(kernels.get_kernel('x'), kernels.__file__)", tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["hub:x", str(tmp_path / "kernels" / "__init__.py")]
-
-
-def _kernels_away_from_the_root() -> str:
-    """Where ``import kernels`` resolves with the repository's root off the path: the installed package's file,
-    or '' when none is installed."""
-    code = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else '')"
-    done = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120)
+def _origin_from(cwd: Path | str) -> str:
+    done = subprocess.run([sys.executable, "-c", FIND], cwd=cwd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
 
-def test_from_the_root_kernels_is_what_it_is_elsewhere():
-    installed = _kernels_away_from_the_root()
-    if installed:  # the hub's package, as installed: found, not the repository's folder
-        done = _run("import kernels\nfrom kernels import get_kernel\nprint(kernels.__file__)")
-        assert done.returncode == 0 and done.stdout.strip() == installed, done.stderr
-    else:  # none installed: nothing passes for it (how Liger-Kernel's integration imports it)
-        done = _run("from kernels import get_kernel")
-        assert done.returncode == 1 and "ImportError" in done.stderr
-        done = _run("from transformers.utils import is_kernels_available\nprint(is_kernels_available())")
-        assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
-    assert not installed.startswith(str(ROOT / "kernels"))
-    done = _run("import fasttrain.kernels.adamw, fasttrain.kernels.lm_head")
-    assert done.returncode == 0, done.stderr
+def test_no_top_level_kernels_in_the_repository():
+    assert not (ROOT / "kernels").exists()
+    assert not (ROOT / "python" / "kernels").exists()
+
+
+def test_kernels_resolves_from_the_root_as_it_does_elsewhere():
+    elsewhere = _origin_from("/")
+    assert _origin_from(ROOT) == elsewhere
+    # the hub's package as installed (perhaps in the repository's .venv), or none: never a source folder of ours
+    assert not any(elsewhere.startswith(str(ROOT / d)) for d in ("kernels", "python", "tests", "benchmarks"))
+
+
+def test_fasttrain_kernels_is_a_regular_subpackage():
+    import fasttrain.kernels
+    import fasttrain.kernels.adamw
+    import fasttrain.kernels.lm_head  # noqa: F401
+
+    assert Path(fasttrain.kernels.__file__).parent == ROOT / "python" / "fasttrain" / "kernels"
