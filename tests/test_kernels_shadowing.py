@@ -36,6 +36,6 @@ def test_kernels_resolves_from_the_root_as_it_does_elsewhere():
 def test_fasttrain_kernels_is_a_regular_subpackage():
     import fasttrain.kernels
     import fasttrain.kernels.adamw
-    import fasttrain.kernels.lm_head  # noqa: F401
+    import fasttrain.kernels.lm_head
 
     assert Path(fasttrain.kernels.__file__).parent == ROOT / "python" / "fasttrain" / "kernels"
