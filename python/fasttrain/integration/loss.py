@@ -238,7 +238,7 @@ def _decide(trainer: Any, seam: Seam, watch: _Watch) -> None:
             f"{who} read the logits of every fused forward in the first {DECIDING_STEPS} training steps: "
             "the model computes them in its own forward from now on"
         )
-    elif all(step.loss_backwards == 0 for step in watch.steps):
+    elif all(step.loss_backwards == 0 and step.compiled == 0 for step in watch.steps):
         reason = (
             f"no backward went through the fused loss in the first {DECIDING_STEPS} training steps ({who} "
             "trains on another loss): the model's own forward runs from now on"
@@ -277,10 +277,10 @@ def _verdict(seam: Seam, trainer: Any) -> None:
             f"label_smoothing_factor={smoothing}: the Trainer computes the smoothed loss from the logits",
         )
     elif getattr(trainer, "compute_loss_func", None) is not None:
+        # the Trainer takes the labels out of the inputs: the fused loss never runs, the user's function does
         seam.off(
             "loss",
-            "compute_loss_func is set: the Trainer calls the model without labels and computes the loss from "
-            "the logits",
+            "the compute_loss_func given to the Trainer computes the loss from the logits, so the fused loss is off",
         )
     elif (owner := overriding_class(trainer, "compute_loss")) is not None:
         seam.off("loss", f"{owner.__name__}.compute_loss called the model without labels while training")

@@ -91,6 +91,7 @@ class _FusedLossState:
     logits_reads: int = 0  # of those, the ones whose logits someone read (computed then, on demand)
     loss_backwards: int = 0  # of those, the ones whose loss a backward went through
     token_stats_calls: int = 0  # forwards that answered fasttrain_token_stats (model_token_stats)
+    compiled_calls: int = 0  # of the fused forwards, the ones traced by torch.compile: no backward hook there
 
     def count_logits_read(self) -> None:
         self.logits_reads += 1
@@ -246,7 +247,10 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state.fused_calls += 1
     passed = {k: v for k, v in outputs.items() if k in _PASSED_OUTPUT_FIELDS}
     if torch.compiler.is_compiling():
-        # Dynamo cannot return the pending logits' closure from a graph: a compiled forward returns no logits
+        # Dynamo cannot return the pending logits' closure from a graph: a compiled forward returns no logits,
+        # and registers no backward hook (a hook on a traced intermediate breaks the graph): counted apart, so
+        # that a missing backward count is not taken for a loss nobody trains on
+        state.compiled_calls += 1
         return CausalLMOutputWithPast(loss=loss, logits=None, **passed)
     if loss.requires_grad:
         loss.register_hook(state.count_loss_backward)
@@ -397,6 +401,7 @@ class FusedLossUsage:
     logits_reads: int = 0  # of those, the ones whose logits someone read
     loss_backwards: int = 0  # of those, the ones whose loss a backward went through
     token_stats: int = 0  # forwards that answered fasttrain_token_stats
+    compiled: int = 0  # fused forwards traced by torch.compile (their backwards are not counted)
 
     def since(self, earlier: FusedLossUsage) -> FusedLossUsage:
         return FusedLossUsage(*(a - b for a, b in zip(self.counts(), earlier.counts(), strict=True)))
@@ -414,7 +419,11 @@ def fused_loss_usage(model: nn.Module) -> FusedLossUsage:
     if state is None:
         return FusedLossUsage()
     return FusedLossUsage(
-        state.fused_calls, state.logits_reads, state.loss_backwards, state.token_stats_calls
+        state.fused_calls,
+        state.logits_reads,
+        state.loss_backwards,
+        state.token_stats_calls,
+        state.compiled_calls,
     )
 
 
