@@ -22,14 +22,16 @@ from fasttrain.integration import clip as clip_path
 from fasttrain.integration import optimizer as optimizer_path
 from fasttrain.optim import options as optim_options
 
+pytestmark = [pytest.mark.dropin, pytest.mark.gpu_versions]
 
-def _trainer(tmp_path, cls=fasttrain.Trainer, model=None, **arg_overrides):
+
+def _trainer(tmp_path, cls=fasttrain.Trainer, model=None, data_collator=None, **arg_overrides):
     tok = tiny.tokenizer()
     return cls(
         model=model or tiny.model("llama"),
         args=tiny.training_args(str(tmp_path), **{"max_steps": 2, **arg_overrides}),
         train_dataset=tiny.dataset(with_length=True),
-        data_collator=transformers.DataCollatorForSeq2Seq(tok, padding=True),
+        data_collator=data_collator or transformers.DataCollatorForSeq2Seq(tok, padding=True),
         processing_class=tok,
     )
 
@@ -276,6 +278,42 @@ def test_label_smoothing_is_named_as_why_the_loss_is_off(tmp_path):
     trainer.train()
     assert trainer.fasttrain_status["loss"] == (
         "off: label_smoothing_factor=0.1: the Trainer computes the smoothed loss from the logits"
+    )
+
+
+def test_a_compute_loss_func_is_named_as_why_the_loss_is_off(tmp_path):
+    """The Trainer hands the logits to the user's compute_loss_func (it takes the labels out of the inputs): the
+    status says the function computes the loss, not that the forwards had no labels."""
+
+    def compute_loss_func(outputs, labels, num_items_in_batch=None):
+        logits = outputs.logits[:, :-1].float()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
+
+    trainer = _trainer(tmp_path)
+    trainer.compute_loss_func = compute_loss_func
+    trainer.train()
+    assert trainer.fasttrain_status["loss"] == (
+        "off: the compute_loss_func given to the Trainer computes the loss from the logits, so the fused loss is off"
+    )
+
+
+def test_llamafactorys_collator_padded_in_rust_is_named_as_why_packing_is_off(tmp_path):
+    """fasttrain's twin of a LLaMA-Factory collator is named for what it is, not as a collator fasttrain does not
+    know. The class stands in for LLaMA-Factory's (its CLI runs in tests/test_client_llamafactory.py)."""
+    from fasttrain.data.llamafactory_collators import twin_of
+
+    theirs = type(
+        "SFTDataCollatorWith4DAttentionMask",
+        (transformers.DataCollatorForSeq2Seq,),
+        {"__module__": "llamafactory.data.collator"},
+    )
+    twin = twin_of(theirs(tiny.tokenizer(), padding=True))
+    assert twin is not None and type(twin).__module__.startswith("fasttrain.")
+    trainer = _trainer(tmp_path, data_collator=twin)
+    assert trainer.data_collator is twin
+    assert trainer.fasttrain_status["packing"] == (
+        "off: LLaMA-Factory's SFTDataCollatorWith4DAttentionMask (padded in Rust by fasttrain) finishes its "
+        "batches itself after the padding (they are kept as they are)"
     )
 
 

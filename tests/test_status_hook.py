@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 import _tiny as tiny
 import fasttrain
@@ -57,4 +58,24 @@ def test_create_optimizer_twice_settles_once(trainer, monkeypatch):
     first.step()
     first.step()
     assert settled == [first], "the status must be read exactly once, at the first step"
+    assert trainer.fasttrain_status["optimizer"] == "on"
+
+
+def test_the_step_that_creates_a_loaded_checkpoints_state_settles_nothing(trainer, monkeypatch):
+    """FSDP2 resume: torch's set_optimizer_state_dict, inside the Trainer's _load_optimizer_and_scheduler, first
+    steps the optimizer with zero gradients and lr 0 to create the state it then loads. No training step: the
+    status waits for the first real one."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    optimizer = trainer.create_optimizer()
+    monkeypatch.setattr(
+        transformers.Trainer,
+        "_load_optimizer_and_scheduler",
+        lambda self, checkpoint: _init_optim_state(optimizer),
+    )
+    trainer._load_optimizer_and_scheduler("a checkpoint")
+    assert optimizer.state, "the loader stepped the optimizer to create its state"
+    assert trainer.fasttrain_status["optimizer"] == "off: has not run yet"
+    _give_gradients(trainer.model)
+    optimizer.step()
     assert trainer.fasttrain_status["optimizer"] == "on"

@@ -29,6 +29,8 @@ from fasttrain.loss import trl_support
 trl = pytest.importorskip("trl")
 trl_utils = pytest.importorskip("trl.trainer.utils")
 
+pytestmark = [pytest.mark.numeric, pytest.mark.trl]
+
 # Runs of the same fp32 arithmetic, ours chunked: twice the reference's distance to the truth (a pooled vector of
 # dozens of values, so the ratio of two rounding-noise norms concentrates), plus 16 fp32 roundings of each value
 # (a training step chains hundreds of roundings; this floor only matters where the reference is exact by chance).
@@ -344,7 +346,7 @@ def test_reasons_and_disable(tmp_path, monkeypatch):
     monkeypatch.delattr(trl_utils, "add_fused_lm_head")  # as in TRL releases before the fused head
     assert "has no fused LM head" in loss_trl.enable(trainer)
     monkeypatch.undo()
-    monkeypatch.setitem(trl_support.KERNEL_CHOICE, ("cpu", "sft"), "trl")
+    monkeypatch.setitem(trl_support.TRAINERS["sft"].kernel, "cpu", "trl")
     assert "measured faster" in loss_trl.enable(trainer)
     monkeypatch.undo()
 

@@ -18,12 +18,12 @@ import transformers
 import _tiny as tiny
 import _truth
 import fasttrain
+from _trl_bounds import BOUNDS
 
 trl = pytest.importorskip("trl")
 
-# bf16 autocast: both heads run the matmul in bf16 but reduce in their own order; that ours runs under the same
-# autocast is checked by structure (_assert_under_accelerate_autocast)
-BOUNDS = {False: _truth.FP32_STEP, True: _truth.BF16_STEP}
+pytestmark = [pytest.mark.dropin, pytest.mark.numeric, pytest.mark.trl]
+
 EPS = {False: _truth.EPS32, True: _truth.EPS_BF16}
 # a top-1 hit is within a run's resolution when its margin is within this many units of its logits' scale:
 # the last matmul alone rounds a logit by up to eps |h| |w|; what the run rounded before adds the same order
@@ -283,7 +283,7 @@ def test_dpo_under_patch(tmp_path, bf16):
 def test_a_trl_trainer_whose_head_cannot_be_served_keeps_trls(tmp_path, monkeypatch):
     from fasttrain.loss import trl_support
 
-    monkeypatch.setitem(trl_support.KERNEL_CHOICE, ("cpu", "sft"), "trl")
+    monkeypatch.setitem(trl_support.TRAINERS["sft"].kernel, "cpu", "trl")
 
     def make(model):
         config = trl.SFTConfig(
@@ -306,5 +306,5 @@ def test_a_trl_trainer_whose_head_cannot_be_served_keeps_trls(tmp_path, monkeypa
 
     ours, _ = _train(make, patched=True)
     assert ours.fasttrain_status["loss"] == (
-        "off: TRL's own fused LM head measured faster for sft on cpu (KERNEL_CHOICE)"
+        "off: TRL's own fused LM head measured faster for sft on cpu (trl_support.TRAINERS)"
     )

@@ -19,9 +19,11 @@ import torch
 import _tiny as tiny
 import _truth
 import fasttrain
-from test_trl_patch import BOUNDS
+from _trl_bounds import BOUNDS
 
 trl = pytest.importorskip("trl")
+
+pytestmark = [pytest.mark.numeric, pytest.mark.trl]
 
 SKIP = ("step_time",)
 

@@ -9,7 +9,10 @@
 - ``optimizer``: ``FusedAdamW`` through ``create_optimizer`` and ``optimizer_cls_and_kwargs``, DeepSpeed's client;
 - ``clip``: the norm in one pass, the clip applied inside the next step (private ``_clip_grad_norm``);
 - ``loss`` / ``loss_trl``: the fused loss in the model's forward, or TRL's fused LM head served by our kernel;
-- ``budget``: token-budget batches (``fasttrain.Trainer(max_tokens_per_batch=...)``);
+- ``budget``: token-budget batches (``fasttrain.Trainer(max_tokens_per_batch=...)``; a batching choice, not a hot
+  path);
+
+(the hot paths' installers are listed once, in ``fasttrain.hot_paths.REGISTRY``, which ``apply`` and ``settle`` read)
 
 and ``trainer_api`` (the instance-override helper, the private-hook check, the questions several paths ask),
 ``ledger`` (the status of each path) and ``settle`` (the status line after the first optimizer step).
@@ -21,12 +24,14 @@ weakly. The Trainer's callbacks, arguments, logs and checkpoints are not touched
 
 from __future__ import annotations
 
+import importlib
 import weakref
+from types import ModuleType
 from typing import Any
 
 from .._logging import follow_trainer_log_level, log_once, show_status_line
-from ..hot_paths import HotPaths
-from . import budget, clip, collator, loss, optimizer, packing, sampler
+from ..hot_paths import REGISTRY, HotPath, HotPaths
+from . import budget, loss, settle
 from .ledger import Seam, attach, find_seam, seam_of
 from .trainer_api import deepspeed_config, launched_alone_problem
 
@@ -58,17 +63,15 @@ def apply(
         log_once(f"launched-alone:{alone}", f"fasttrain: {alone}")
     if max_tokens_per_batch is not None:
         budget.arm(trainer, max_tokens_per_batch)
-    optimizer.arm(trainer, seam)  # always: its first step settles the status
-    if seam.paths.collator:
-        collator.arm(trainer, seam)
-    if seam.paths.packing:
-        packing.arm(trainer, seam)
-    if seam.paths.sampler:
-        sampler.arm(trainer, seam)
-    if seam.paths.clip:
-        clip.arm(trainer, seam)
-    if seam.paths.loss:
-        loss.arm(trainer, seam)
+    settle.arm(trainer)
+    for path in REGISTRY:
+        if path.always_armed or getattr(seam.paths, path.name):
+            installer(path).arm(trainer, seam)
+
+
+def installer(path: HotPath) -> ModuleType:
+    """The module of this package that arms ``path`` and settles its status."""
+    return importlib.import_module(f"{__name__}.{path.installer}")
 
 
 def apply_from_plugin(trainer: Any, hot_paths: HotPaths) -> None:

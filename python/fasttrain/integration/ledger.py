@@ -37,6 +37,9 @@ class Seam:
         self.settle_hooked: weakref.ref[Any] | None = (
             None  # the optimizer whose first step settles the status
         )
+        self.loading_checkpoint = (
+            False  # the Trainer is loading the optimizer's state: its steps are no training
+        )
         self.sampler: Any = None  # the Rust sampler built for the trainer (its iteration is the evidence)
         self.packer: Any = None  # the PackingCollator of the last training loader built
         self.packed_steps = 0  # training steps whose inputs were a packed batch

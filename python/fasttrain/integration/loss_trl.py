@@ -57,21 +57,15 @@ def _compute_loss(trainer: Any, original: Callable[..., Any], *args: Any, **kwar
         return original(*args, **kwargs)
 
 
-# TRL trainers whose use of the fused head fasttrain was tested against plain TRL (tests/test_trl_patch.py,
-# tests/test_trl_rl.py), subclasses included; and which of them trains on -sum(log_probs) / n (SFT's nll), the
-# upstream the forward can compute the gradients for (the others' per-token upstreams differ: the backward
-# recomputes)
-TESTED = ("SFTTrainer", "DPOTrainer", "GRPOTrainer", "RLOOTrainer", "KTOTrainer")
-
-
 def trainer_kind(trainer: Any) -> str | None:
-    """Which tested TRL trainer ``trainer`` is (or subclasses), as "sft", "dpo", "grpo", "rloo", "kto"; else None."""
+    """Which of the TRL trainers fasttrain serves (``trl_support.TRAINERS``) ``trainer`` is or subclasses, by its
+    kind ("sft", "dpo", ...); else None."""
     import trl
 
-    for name in TESTED:
-        cls = getattr(trl, name, None)
+    for kind, entry in trl_support.TRAINERS.items():
+        cls = getattr(trl, entry.class_name, None)
         if cls is not None and isinstance(trainer, cls):
-            return name[: -len("Trainer")].lower()
+            return kind
     return None
 
 
@@ -96,7 +90,7 @@ def enable(trainer: Any) -> str | None:
     if kind is None:
         return (
             f"{type(trainer).__name__} is a TRL trainer fasttrain has not been tested with (tested: "
-            f"{', '.join(TESTED)}): its loss keeps TRL's own path"
+            f"{', '.join(t.class_name for t in trl_support.TRAINERS.values())}): its loss keeps TRL's own path"
         )
     accelerator = trainer.accelerator
 

@@ -36,6 +36,13 @@ def collator_problem(collator: object) -> str | None:
     name = f"{named.__module__}.{named.__qualname__}"
     if isinstance(collator, hf.DataCollatorWithFlattening):
         return f"{name} already makes padding-free batches"
+    framework = _llamafactory_class(collator)
+    if framework is not None:  # LLaMA-Factory's own, or fasttrain's twin of it (data.llamafactory_collators)
+        twin = " (padded in Rust by fasttrain)" if type(collator) is not framework else ""
+        return (
+            f"LLaMA-Factory's {framework.__qualname__}{twin} finishes its batches itself after the padding "
+            "(they are kept as they are)"
+        )
     if kind is None:
         return f"the collator {name} is not a padding collator fasttrain knows (its batches are kept as they are)"
     if kind == "lm" and collator.mlm:
@@ -48,6 +55,12 @@ def collator_problem(collator: object) -> str | None:
             f"{name} with pad_to_multiple_of={collator.pad_to_multiple_of} (TRL would log other num_tokens)"
         )
     return None
+
+
+def _llamafactory_class(collator: object) -> type | None:
+    """The LLaMA-Factory class ``collator`` is or is the fasttrain twin of: its code adds 4D masks, rope position ids
+    or paired rows after the padding, which a packed row would not carry."""
+    return next((c for c in type(collator).__mro__ if c.__module__.startswith("llamafactory.")), None)
 
 
 def _rope_types(config: Any) -> set[str]:

@@ -4,14 +4,34 @@ line once (INFO, or WARNING when a path the user wanted fell back or the run its
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .._logging import logger
-from .ledger import Seam
+from ..hot_paths import REGISTRY
+from .ledger import Seam, seam_of
+from .trainer_api import override, private_hook_missing
+
+
+def arm(trainer: Any) -> None:
+    """Loading a sharded optimizer checkpoint (FSDP2 resume: ``set_optimizer_state_dict``, inside the Trainer's
+    ``_load_optimizer_and_scheduler``) first steps the optimizer once with zero gradients and lr 0 to create its
+    state. That step is no training step: settling there would declare the clip and loss off before they could
+    run. The Trainer's loader says so while it runs (``seam.loading_checkpoint``)."""
+    if private_hook_missing("_load_optimizer_and_scheduler", ("checkpoint",)) is None:
+        override(trainer, "_load_optimizer_and_scheduler", _loading_checkpoint)
+
+
+def _loading_checkpoint(trainer: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    seam = seam_of(trainer)
+    seam.loading_checkpoint = True
+    try:
+        return original(*args, **kwargs)
+    finally:
+        seam.loading_checkpoint = False
 
 
 def after_first_step(seam: Seam, optimizer: torch.optim.Optimizer) -> None:
@@ -25,36 +45,21 @@ def after_first_step(seam: Seam, optimizer: torch.optim.Optimizer) -> None:
         return
 
     def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not seam.logged and not _initialising_state_for_load():
+        if not seam.logged and not seam.loading_checkpoint:
             settle(seam, opt)
 
     optimizer.register_step_post_hook(hook)
     seam.settle_hooked = weakref.ref(optimizer)
 
 
-def _initialising_state_for_load() -> bool:
-    """Inside torch's ``_init_optim_state``: loading a sharded optimizer checkpoint (FSDP2 resume, through
-    ``set_optimizer_state_dict``) first steps the optimizer once with zero gradients and lr 0 to create its state.
-    That step is no training step: settling there would declare the clip and loss off before they could run."""
-    frame = sys._getframe(1)
-    for _ in range(8):  # the hook is called a few frames below the optimizer's step
-        frame = frame.f_back
-        if frame is None:
-            return False
-        if frame.f_code.co_name == "_init_optim_state" and "checkpoint" in frame.f_code.co_filename:
-            return True
-    return False
-
-
 def settle(seam: Seam, optimizer: Any) -> None:
     trainer = seam.trainer()
     if trainer is None or seam.logged:
         return
-    from . import clip, collator, loss, packing, sampler
-    from . import optimizer as optimizer_path
+    from . import installer
 
-    for path in (optimizer_path, clip, loss, collator, sampler, packing):
-        path.verdict(seam, trainer, optimizer)
+    for path in REGISTRY:
+        installer(path).verdict(seam, trainer, optimizer)
     seam.logged = True
     line = ", ".join(f"{name}={value}" for name, value in seam.status.items())
     if seam.others:

@@ -22,9 +22,10 @@ it (``fused_token_log_probs``: Triton on CUDA, the chunked torch path elsewhere)
   recomputed): ``upstream_count`` hands it the ``n`` the trainer's compute_loss divides by. DPO's gradients differ
   per sequence: the backward recomputes.
 
-TRL's own kernel may still be the faster one on a GPU: ``KERNEL_CHOICE`` says which kernel serves each device
-type and trainer, decided by ``benchmarks/gpu/bench_loss_gpu.py --trl``; where it says ``"trl"``,
-``serve`` returns that reason and TRL's head stays.
+``TRAINERS`` is the one table of TRL trainers fasttrain serves (``integration.loss_trl`` reads it to tell a trainer's
+kind): each entry's class, and which kernel serves its head on each device type (TRL's own kernel may still be the
+faster one on a GPU, decided by ``benchmarks/gpu/bench_loss_gpu.py --trl``; where it says ``"trl"``, ``serve``
+returns that reason and TRL's head stays).
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ from ..labels import shift_labels as shift_labels_of
 from .token_logprobs import fused_token_log_probs
 
 __all__ = [
-    "KERNEL_CHOICE",
     "TESTED_TRL",
+    "TRAINERS",
+    "TrlTrainer",
     "fused_calls",
     "is_trl_head",
     "serve",
@@ -57,14 +59,37 @@ __all__ = [
 
 # TRL versions whose add_fused_lm_head layout this module was tested against: [first, last-excluded).
 TESTED_TRL = ("1.16", "2.0")
-# Which kernel serves TRL's fused head, per (device type, trainer kind): "fasttrain" or "trl".
-# CPU: measured, fasttrain's is faster for both (benchmarks/results/loss_trl_cpu.md).
-# CUDA: not measured yet; fasttrain's until benchmarks/gpu/bench_loss_gpu.py --trl says otherwise (SFT saves a
-# matmul with fasttrain's speculation; DPO runs the same four matmuls as TRL, so the per-row kernels decide).
-KERNEL_CHOICE = {
-    (device, kind): "fasttrain"
-    for device in ("cpu", "cuda")
-    for kind in ("sft", "dpo", "grpo", "rloo", "kto")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrlTrainer:
+    """A TRL trainer whose fused LM head fasttrain serves (its subclasses too). An entry goes in ``TRAINERS`` once the
+    trainer passes against plain TRL as in tests/test_trl_patch.py and tests/test_trl_rl.py."""
+
+    class_name: str  # the class in ``trl``
+    # which kernel serves its head on each device type, "fasttrain" or "trl"
+    kernel: dict[str, str] = dataclasses.field(
+        default_factory=lambda: {"cpu": "fasttrain", "cuda": "fasttrain"}
+    )
+
+    @property
+    def kind(self) -> str:
+        """The trainer's short name ("sft" for SFTTrainer), as the status and ``serve`` use it."""
+        return self.class_name.removesuffix("Trainer").lower()
+
+
+# CPU: measured, fasttrain's kernel is the faster one (benchmarks/results/loss_trl_cpu.md). CUDA: not measured yet;
+# fasttrain's until benchmarks/gpu/bench_loss_gpu.py --trl says otherwise (SFT saves a matmul with fasttrain's
+# speculation; DPO runs the same four matmuls as TRL, so the per-row kernels decide).
+TRAINERS: dict[str, TrlTrainer] = {
+    t.kind: t
+    for t in (
+        TrlTrainer("SFTTrainer"),
+        TrlTrainer("DPOTrainer"),
+        TrlTrainer("GRPOTrainer"),
+        TrlTrainer("RLOOTrainer"),
+        TrlTrainer("KTOTrainer"),
+    )
 }
 
 _STATE_ATTR = "_fasttrain_trl_head"
@@ -197,15 +222,15 @@ def serve(
 ) -> str | None:
     """Serve the TRL fused heads installed on ``models`` (a trainer's policy, and its reference model) from
     fasttrain's kernel. Returns None when it does, else why not (TRL's own head then stays on every model): all or
-    nothing, so a status is true of each model. ``kind`` ("sft", "dpo") picks the kernel (``KERNEL_CHOICE``);
+    nothing, so a status is true of each model. ``kind`` (a key of ``TRAINERS``) picks the kernel;
     ``uniform_grad``: the loss is ``-sum(log_probs) / n`` (SFT's nll), so the forward computes the gradients;
     ``mixed_precision()`` gives the autocast context manager of a forward Accelerate wrapped. Logs nothing;
     idempotent."""
     problem = trl_problem()
     if problem is not None:
         return problem
-    if KERNEL_CHOICE.get((device_type, kind), "fasttrain") == "trl":
-        return f"TRL's own fused LM head measured faster for {kind} on {device_type} (KERNEL_CHOICE)"
+    if TRAINERS[kind].kernel.get(device_type, "fasttrain") == "trl":
+        return f"TRL's own fused LM head measured faster for {kind} on {device_type} (trl_support.TRAINERS)"
     plans = []
     for model in models:
         if _STATE_ATTR in model.__dict__:

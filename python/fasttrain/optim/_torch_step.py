@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from . import _state, blockwise8, rounding
+from . import rounding
+from .layouts import Layout, moment_names
 
 STAGE_ELEMENTS = 1 << 24  # elements per staged batch: 64 MB per fp32 role
 
@@ -38,7 +39,7 @@ def step(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     states: list[dict[str, Any]],
-    lay: Any,
+    lay: Layout,
     *,
     amsgrad: bool,
     sr_seed: int | None,
@@ -54,9 +55,13 @@ def step(
 
     ``hyper``: lr, beta1, beta2, weight_decay, eps, maximize, grad_scale (as ``torch._fused_adamw_`` takes them).
     """
-    names = _state.moments(states[0], lay, amsgrad)
+    names = lay.tensor_names(amsgrad)
     steps = [s["step"] for s in states]
-    native = lay == params[0].dtype and sr_seed is None and all(g.dtype == params[0].dtype for g in grads)
+    native = (
+        lay.torch_native(params[0].dtype)
+        and sr_seed is None
+        and all(g.dtype == params[0].dtype for g in grads)
+    )
     if native:
         moment_lists = [[s[n] for s in states] for n in names]
         if not amsgrad:
@@ -80,21 +85,15 @@ def _staged(
 ) -> None:
     ps = [p if p.dtype == work else p.to(work) for p in params]
     gs = [g if g.dtype == work else g.to(work) for g in grads]
-    names = _state.MOMENTS if amsgrad else _state.MOMENTS[:2]
-    if lay == "8bit":
-        ms = [
-            [blockwise8.dequantize(s[f"{n}_codes"], s[f"{n}_absmax"], _state.SIGNED[n], work) for s in states]
-            for n in names
-        ]
-    else:
-        ms = [[s[n] if s[n].dtype == work else s[n].to(work) for s in states] for n in names]
+    names = moment_names(amsgrad)
+    ms = [lay.working(states, n, work) for n in names]
     if not amsgrad:
         ms.append([])
     steps = [s["step"] for s in states]
     torch._fused_adamw_(ps, gs, *ms, steps, amsgrad=amsgrad, found_inf=found_inf, **hyper)
 
     # write back; a step skipped for found_inf left the working copies as loaded: every rounding below gives
-    # back the stored value, except requantization (not idempotent), which is skipped
+    # back the stored value, and the layout keeps what would not (requantization)
     for p, p_work, salt, offset, s in zip(params, ps, salts, offsets, states, strict=True):
         if p_work is p:
             continue
@@ -104,16 +103,4 @@ def _staged(
             p.copy_(p_work)
     for n, values in zip(names, ms, strict=False):
         for s, x in zip(states, values, strict=True):
-            if lay != "8bit":
-                if s[n] is not x:
-                    s[n].copy_(x)
-                continue
-            codes, absmax = s[f"{n}_codes"], s[f"{n}_absmax"]
-            new_codes, new_absmax = torch.empty_like(codes), torch.empty_like(absmax)
-            blockwise8.quantize_(x, new_codes, new_absmax, _state.SIGNED[n])
-            if found_inf is not None:
-                skip = found_inf.to(codes.device) != 0
-                new_codes = torch.where(skip, codes, new_codes)
-                new_absmax = torch.where(skip, absmax, new_absmax)
-            codes.copy_(new_codes)
-            absmax.copy_(new_absmax)
+            lay.store(s, n, x, found_inf)

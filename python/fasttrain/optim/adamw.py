@@ -37,8 +37,8 @@ rounding draws each element's bits at its index in the whole parameter (the shar
 index), so a sharded run rounds as the unsharded optimizer does, bit for bit, and so does a checkpoint resharded
 to another world size or mesh; DTensors sharded otherwise than along dim 0 draw them at the local index (logged).
 With ``state_dtype="8bit"`` it quantizes the rows it owns in row blocks, kept as DTensors placed like the parameter,
-so that torch.distributed.checkpoint reshards them to another world size or mesh (``_state`` says how the blocks
-relate to the shards; 1-D parameters keep fp32 moments there).
+so that torch.distributed.checkpoint reshards them to another world size or mesh (``layouts`` says how the blocks
+relate to the shards; 1-D parameters keep fp32 moments there, ``_state``).
 
 Nothing about the parameters is cached at construction: state is created lazily in ``step()`` and the launch
 tables are keyed on the tensors' addresses, because FSDP2 swaps parameters for DTensor shards after the
@@ -79,12 +79,6 @@ def _kernels():
     from fasttrain.kernels import adamw as kernels
 
     return kernels
-
-
-def _kernels8():
-    from fasttrain.kernels import adamw8bit
-
-    return adamw8bit
 
 
 def _check_hyperparameters(group: dict[str, Any], where: str) -> None:
@@ -411,16 +405,9 @@ class FusedAdamW(torch.optim.Optimizer):
             )
             return False
         state = self.state[p]
-        if lay == "8bit" and not _state.flat_blocks(state):
-            log_once(
-                "fused_adamw.triton_row_blocks",
-                "FusedAdamW: 8-bit moments of a DTensor parameter whose rows are not a multiple of 256 elements "
-                "(row blocks, not the Triton kernel's flat blocks): its parameter is updated by torch's fused AdamW",
-            )
+        if not lay.triton_can_step(state):
             return False
-        return self._triton_ok(
-            [local(p), g, *(local(state[n]) for n in _state.moments(state, lay, group["amsgrad"]))]
-        )
+        return self._triton_ok([local(p), g, *(local(state[n]) for n in lay.tensor_names(group["amsgrad"]))])
 
     @staticmethod
     def _device_scalar(value: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -463,18 +450,13 @@ class FusedAdamW(torch.optim.Optimizer):
         params = [e[0] for e in entries]
         states = [self.state[p] for p in params]
         steps = [s["step"] for s in states]
-        moments = _state.moments(states[0], lay, amsgrad)
-        if lay == "8bit":
-            names = ["exp_avg_codes", "exp_avg_sq_codes", "max_exp_avg_sq_codes"]
-            names += ["exp_avg_absmax", "exp_avg_sq_absmax", "max_exp_avg_sq_absmax"]
-        else:
-            names = ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+        moments = lay.tensor_names(amsgrad)
         rows = [[local(p) for p in params], [local(p.grad) for p in params]]
-        rows += [[local(s[n]) if n in moments else None for s in states] for n in names]
+        rows += [[local(s[n]) if n in moments else None for s in states] for n in lay.kernel_slots]
         rows.append(steps)
         sr_seed = self._sr_seed(group, p_dtype)
         table = self._table(
-            "adamw8" if lay == "8bit" else "adamw",
+            lay.table_kind,
             rows,
             device,
             salts=[e[1] for e in entries],
@@ -496,10 +478,7 @@ class FusedAdamW(torch.optim.Optimizer):
         )
         # as torch's fused AdamW: count the step first, take it back if the scaler found an inf
         torch._foreach_add_(steps, 1.0)
-        if lay == "8bit":
-            _kernels8().adamw8bit_step(table, p_dtype, g_dtype, blockwise8.tables(device), args)
-        else:
-            _kernels().adamw_step(table, p_dtype, g_dtype, lay, args)
+        lay.triton_step(table, p_dtype, g_dtype, device, args)
         if found_inf is not None:
             torch._foreach_sub_(steps, [found_inf] * len(steps))
 
