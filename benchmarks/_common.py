@@ -1,69 +1,173 @@
-"""What the scripts under benchmarks/ share: the provenance each result records (date, machine, versions,
-command), a garbage-collector pause for timed calls, and a word-level stand-in tokenizer.
+"""What the scripts under benchmarks/ share: writing a result (JSON + Markdown, both opening with
+``fasttrain.bench.provenance``'s record), calling contenders in turn, a tiny Qwen3, a torchrun launch on CPU, the
+standard library's sources as text and a word-level stand-in tokenizer.
 
 The scripts' own module, imported as ``import _common`` (Python puts a script's folder first on ``sys.path``).
-It is not fasttrain's: ``fasttrain.bench`` is the product behind ``fasttrain bench`` and free to change, so
-nothing here imports it (tests/test_bench_scripts.py checks that no script does).
+Of ``fasttrain.bench`` it uses only ``provenance`` (one record for every result file); the rest of that package
+is the ``fasttrain bench`` command's and free to change (tests/test_bench_scripts.py keeps it so).
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime as dt
-import gc
-import importlib.metadata
-import platform
-import shlex
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
 import sys
-from collections.abc import Iterator
+import sysconfig
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+
+from fasttrain.bench import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 
 
-def cpu_model() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo), else what ``platform`` knows."""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as handle:
-        for line in handle:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+def new_result(benchmark: str, *packages: str) -> dict[str, Any]:
+    """A result's opening: its name and the provenance (date, command, commit, machine, load, versions)."""
+    return {"benchmark": benchmark, "provenance": provenance.record(*packages)}
 
 
-def utc_now() -> str:
-    """'2026-12-02T05:00:58+00:00': when a result was measured."""
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+def write(out: Path, stem: str, result: dict, title: str, body: str | list[str]) -> str:
+    """``out/stem.json`` and ``out/stem.md`` (the title, the provenance's lines, then ``body``); the Markdown."""
+    body = "\n".join(body) if isinstance(body, list) else body
+    text = f"# {title}\n\n{provenance.markdown(result['provenance'])}\n\n{body.strip()}\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(text)
+    print(f"wrote {out / stem}.json and .md", flush=True)
+    return text
 
 
-def command() -> str:
-    """The command that produced a result, as one would retype it from the repository root."""
-    script = Path(sys.argv[0]).resolve()
-    with contextlib.suppress(ValueError):  # a script outside the repository keeps its path as given
-        script = script.relative_to(ROOT)
-    return shlex.join(["python", str(script), *sys.argv[1:]])
+def alternate(
+    rounds: int, contenders: dict[str, Callable[[int], Any]]
+) -> dict[str, list[tuple[float, float]]]:
+    """Each contender called in turn (round ``i`` passes ``i``), so that all see the same machine load; per call
+    (wall seconds, the process's CPU seconds), the collector paused. CPU time leaves out the time a call spent
+    descheduled, which dominates short calls on a loaded machine."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
+    for i in range(rounds):
+        for name, fn in contenders.items():
+            with provenance.gc_paused():
+                wall, cpu = time.perf_counter(), time.process_time()
+                fn(i)
+                times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return times
 
 
-def versions(*packages: str) -> dict[str, str | None]:
-    """Python's version and each installed package's (None where it is not installed)."""
-    out: dict[str, str | None] = {"python": platform.python_version()}
-    for name in packages:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+def int_options(parser, **defaults: int) -> list[str]:
+    """``--name`` options of type int with their defaults; their names, for ``forwarded``."""
+    for name, default in defaults.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default, metavar="N")
+    return list(defaults)
 
 
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """The garbage collector run before and off during a timed call, as timeit does: otherwise a collection
-    of one side's garbage lands on whichever side allocates next."""
-    gc.collect()
-    gc.disable()
+def forwarded(args, names: list[str]) -> list[str]:
+    """The command-line options that give a worker process the same ``names`` values."""
+    return [item for name in names for item in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
+
+
+def median_s(times: list[tuple[float, float]], cpu: bool = False) -> float:
+    return statistics.median(t[cpu] for t in times)
+
+
+def batch_difference(a, b) -> str | None:
+    """None when two collators' batches are the same (type, keys in order, dtypes, shapes, values), else how not."""
+    import torch
+
+    if type(a) is not type(b) or list(a.keys()) != list(b.keys()):
+        return f"{type(a).__name__} {list(a.keys())} vs {type(b).__name__} {list(b.keys())}"
+    for k in a.keys():  # noqa: SIM118 - BatchEncoding
+        x, y = a[k], b[k]
+        if isinstance(y, torch.Tensor) and (x.dtype, x.shape) != (y.dtype, y.shape):
+            return f"{k}: {x.dtype} {tuple(x.shape)} vs {y.dtype} {tuple(y.shape)}"
+        if not (torch.equal(x, y) if isinstance(y, torch.Tensor) else x == y):
+            return f"{k}: values differ"
+    return None
+
+
+def tiny_qwen3(vocab: int, hidden: int, layers: int, seed: int = 0, **config: Any):
+    """A Qwen3 at random initialisation (``seed``): 4 attention heads, 2 KV heads, MLP 3 x hidden unless
+    ``config`` says otherwise."""
+    import torch
+    import transformers
+
+    shape = dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, intermediate_size=3 * hidden
+    )
+    attn = config.pop("attn_implementation", None)
+    qwen3 = transformers.Qwen3Config(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, pad_token_id=0, **{**shape, **config}
+    )
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(qwen3, attn_implementation=attn)
+
+
+def torchrun(
+    script: str, world: int, args: list[Any], threads: int, timeout: float | None = None
+) -> str | None:
+    """``script`` in ``world`` gloo processes (torchrun, a free port, ``threads`` OpenMP threads each,
+    DeepSpeed on its CPU accelerator, the CPU paths rather than the Triton interpreter); None, or why it failed."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), DS_ACCELERATOR="cpu")
+    env.pop("TRITON_INTERPRET", None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", port,
+           script, *map(str, args)]  # fmt: skip
     try:
-        yield
-    finally:
-        gc.enable()
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"launch timed out after {timeout} s"
+    return (
+        None
+        if done.returncode == 0
+        else f"exit {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    )
+
+
+def stdlib_sources() -> Iterator[str]:
+    """The standard library's .py files (third-party packages under it left out), sorted then shuffled with seed
+    0 (``fasttrain bench``'s corpus order), so that a prefix mixes packages and sizes: real code, no download."""
+    files = []
+    for directory, subdirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages", "__pycache__")]
+        files += [Path(directory, name) for name in names if name.endswith(".py")]
+    files.sort()
+    random.Random(0).shuffle(files)
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(text) >= 64:  # near-empty __init__.py stubs carry nothing
+            yield text
+
+
+def stdlib_bpe(vocab: int, train_bytes: int, special_tokens: list[str]):
+    """A byte-level BPE of ``vocab`` tokens (``tokenizers.Tokenizer``) trained on the first ``train_bytes`` of
+    ``stdlib_sources()``: ``fasttrain bench``'s kind of tokenizer, trained here in seconds, no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts, size = [], 0
+    for text in stdlib_sources():
+        texts.append(text)
+        size += len(text.encode())
+        if size >= train_bytes:
+            break
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=special_tokens, initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tok
 
 
 def word_level_tokenizer(vocab: int = 100):

@@ -1,22 +1,12 @@
 """CPU benchmark: FusedAdamW's state modes against torch's fused AdamW and the 8-bit AdamWs of bitsandbytes and torchao.
 
-One run, every optimizer on the same model, data and schedule:
-
-- memory: the optimizer state's bytes per parameter, measured from the state tensors after training (tensors
-  shared between parameters counted once), as a ratio to torch's fused AdamW on the same parameters and to fp32
-  moments (8 bytes);
-- bytes a step moves per parameter: each stored tensor read and written once, the gradient read once
-  (2 x param + grad + 2 x state): what a fused step must move for that layout, from the measured state sizes
-  (a property of the layout, not a traffic counter; clipping adds a norm pass, and torch's clip_grad_norm_ a
-  scaling pass that reads and writes the gradient again);
-- convergence: a small causal LM (Llama architecture from transformers, random init, ~0.4M parameters) trained
-  ``--steps`` steps on the standard library's source (a byte-level BPE at a 1,024 vocabulary trained on it
-  here), warm-up + cosine lr, clipping at 1.0; the final loss (mean of the last 25 steps) and a
-  held-out loss, with each run's ratio to its reference (bf16 parameters: FusedAdamW with fp32 moments; fp32
-  parameters: torch's fused AdamW), and the loss curves (plot).
-
-bitsandbytes and torchao are not dependencies of fasttrain: they are used where they import (``pip install
-bitsandbytes torchao``), and the results say when they did not.
+Every optimizer on the same model, data and schedule: a Llama-architecture causal LM (random init, ~0.4M
+parameters) trained ``--steps`` steps on the standard library's sources (a byte-level BPE of 1,024 tokens trained
+on them), warm-up + cosine lr, clipping at 1.0. Reported: the state's bytes per parameter (measured from the state
+tensors; as a ratio to torch's fused AdamW and to fp32 moments), the bytes a fused step must move per parameter
+for that layout (2 x param + grad + 2 x state: a property of the layout, not a traffic counter), the final loss
+(mean of the last 25 steps) and a held-out loss against the reference (bf16 parameters: FusedAdamW with fp32
+moments; fp32: torch's fused AdamW), and the loss curves. bitsandbytes and torchao are used where they import.
 
     python benchmarks/bench_adamw_modes.py [--steps 200] [--out benchmarks/results]
 """
@@ -24,17 +14,12 @@ bitsandbytes torchao``), and the results say when they did not.
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
+import importlib
 import math
-import os
-import random
 import statistics
-import sysconfig
 import time
 import traceback
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -56,45 +41,12 @@ def model_config():
     )  # fmt: skip
 
 
-def stdlib_sources() -> Iterator[str]:
-    """The standard library's .py files (third-party packages under it left out), sorted then shuffled with a
-    fixed seed, so that a prefix mixes packages and sizes: real code, on every machine, without a download."""
-    files = []
-    for directory, subdirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
-        subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages")]  # never walked into
-        files += [Path(directory, name) for name in names if name.endswith(".py")]
-    files.sort()
-    random.Random(0).shuffle(files)
-    for path in files:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        if len(text) >= 64:  # near-empty __init__.py stubs carry nothing
-            yield text
-
-
 def token_batches(n_batches: int) -> torch.Tensor:
     """int64 [n_batches, BATCH, SEQ_LEN]: stdlib sources through a byte-level BPE of VOCAB tokens trained on
     their first ~1 MB (a few seconds), joined by an end-of-text token, cut in sequences."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    sources = stdlib_sources()
-    sample, size = [], 0
-    while size < 1_000_000:
-        sample.append(next(sources))
-        size += len(sample[-1])
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )  # fmt: skip
-    tok.train_from_iterator(sample, trainer=trainer)
-    eos = tok.token_to_id("<|endoftext|>")
-    need = n_batches * BATCH * SEQ_LEN
-    ids: list[int] = []
-    for document in itertools.chain(sample, sources):
+    tok = _common.stdlib_bpe(VOCAB, 1_000_000, ["<|endoftext|>"])
+    eos, need, ids = tok.token_to_id("<|endoftext|>"), n_batches * BATCH * SEQ_LEN, []
+    for document in _common.stdlib_sources():
         ids += [*tok.encode(document).ids, eos]
         if len(ids) >= need:
             break
@@ -109,38 +61,36 @@ def lr_at(step: int, steps: int) -> float:
 
 
 def optimizers():
-    """label -> (param dtype, factory(params) -> optimizer, fused clip?)."""
-    ours = lambda **kw: lambda ps: FusedAdamW(ps, lr=PEAK_LR, weight_decay=WEIGHT_DECAY, **kw)  # noqa: E731
-    torch_fused = lambda ps: torch.optim.AdamW(ps, lr=PEAK_LR, weight_decay=WEIGHT_DECAY, fused=True)  # noqa: E731
+    """label -> (param dtype, factory(params) -> optimizer, fused clip?). The 8-bit AdamWs of bitsandbytes and
+    torchao are imported when their run starts: where they are not installed, the results say so."""
+
+    def ours(**kw):
+        return lambda ps: FusedAdamW(ps, lr=PEAK_LR, weight_decay=WEIGHT_DECAY, **kw)
+
+    def peer(module: str):
+        def build(ps):
+            if module == "torch":
+                return torch.optim.AdamW(ps, lr=PEAK_LR, weight_decay=WEIGHT_DECAY, fused=True)
+            cls = importlib.import_module(module).AdamW8bit
+            return cls(ps, lr=PEAK_LR, weight_decay=WEIGHT_DECAY)
+
+        return build
+
     runs = {}
     for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
-        runs[f"{tag} | torch AdamW(fused=True)"] = (dtype, torch_fused, False)
-        if dtype == torch.bfloat16:
-            runs[f"{tag} | FusedAdamW (default: param-dtype states)"] = (dtype, ours(), True)
-            runs[f"{tag} | FusedAdamW state_dtype=float32"] = (dtype, ours(state_dtype=torch.float32), True)
-            runs[f"{tag} | FusedAdamW default + stochastic rounding"] = (
-                dtype, ours(bf16_stochastic_rounding=True), True,
-            )  # fmt: skip
-        runs[f"{tag} | FusedAdamW state_dtype='8bit'"] = (dtype, ours(state_dtype="8bit"), True)
-        if dtype == torch.bfloat16:
-            runs[f"{tag} | FusedAdamW '8bit' + stochastic rounding"] = (
-                dtype, ours(state_dtype="8bit", bf16_stochastic_rounding=True), True,
-            )  # fmt: skip
-        runs[f"{tag} | bitsandbytes AdamW8bit"] = (dtype, _bnb, False)
-        runs[f"{tag} | torchao AdamW8bit"] = (dtype, _torchao, False)
+        bf16 = dtype == torch.bfloat16
+        table = [
+            ("torch AdamW(fused=True)", peer("torch"), False, True),
+            ("FusedAdamW (default: param-dtype states)", ours(), True, bf16),
+            ("FusedAdamW state_dtype=float32", ours(state_dtype=torch.float32), True, bf16),
+            ("FusedAdamW default + stochastic rounding", ours(bf16_stochastic_rounding=True), True, bf16),
+            ("FusedAdamW state_dtype='8bit'", ours(state_dtype="8bit"), True, True),
+            ("FusedAdamW '8bit' + stochastic rounding", ours(state_dtype="8bit", bf16_stochastic_rounding=True), True, bf16),
+            ("bitsandbytes AdamW8bit", peer("bitsandbytes.optim"), False, True),
+            ("torchao AdamW8bit", peer("torchao.optim"), False, True),
+        ]  # fmt: skip
+        runs.update({f"{tag} | {name}": (dtype, make, fused) for name, make, fused, here in table if here})
     return runs
-
-
-def _bnb(ps):
-    import bitsandbytes as bnb
-
-    return bnb.optim.AdamW8bit(ps, lr=PEAK_LR, weight_decay=WEIGHT_DECAY)
-
-
-def _torchao(ps):
-    from torchao.optim import AdamW8bit
-
-    return AdamW8bit(ps, lr=PEAK_LR, weight_decay=WEIGHT_DECAY)
 
 
 def _tensors(value):
@@ -195,22 +145,11 @@ def train(label, dtype, factory, fused_clip, data, steps):
     train_s = time.perf_counter() - t0
     with torch.no_grad():
         held_out = [float(model(input_ids=b, labels=b).loss) for b in data[steps : steps + EVAL_BATCHES]]
-    n = sum(p.numel() for p in params)
-    sb = state_bytes(opt)
-    p_bytes = params[0].element_size()
-    return {
-        "label": label,
-        "param_dtype": str(dtype).replace("torch.", ""),
-        "n_params": n,
-        "losses": losses,
-        "final_loss": statistics.fmean(losses[-25:]),
-        "held_out_loss": statistics.fmean(held_out),
-        "state_bytes": sb,
-        "state_bytes_per_param": sb / n,
-        "bytes_moved_per_param": 2 * p_bytes + p_bytes + 2 * sb / n,
-        "optimizer": type(opt).__module__ + "." + type(opt).__name__,
-        "train_s": train_s,
-    }
+    n, sb, p_bytes = sum(p.numel() for p in params), state_bytes(opt), params[0].element_size()
+    return {"label": label, "param_dtype": str(dtype).replace("torch.", ""), "n_params": n, "losses": losses,
+            "final_loss": statistics.fmean(losses[-25:]), "held_out_loss": statistics.fmean(held_out),
+            "state_bytes": sb, "state_bytes_per_param": sb / n, "bytes_moved_per_param": 3 * p_bytes + 2 * sb / n,
+            "optimizer": type(opt).__module__ + "." + type(opt).__name__, "train_s": train_s}  # fmt: skip
 
 
 def reference_of(label: str) -> str:
@@ -244,14 +183,14 @@ def plot(path: Path, results: list[dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steady on a shared machine)")
+    _common.int_options(ap, steps=200, threads=1)  # 1 torch thread: steady on a shared machine
     ap.add_argument("--only", default="", help="comma-separated substrings: run only matching labels")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", type=Path, default=_common.RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     t_start = time.perf_counter()
+    info = _common.new_result("adamw_modes", "bitsandbytes", "torchao")
     data = token_batches(args.steps + EVAL_BATCHES)
     results, unavailable = [], {}
     for label, (dtype, factory, fused_clip) in optimizers().items():
@@ -272,67 +211,34 @@ def main() -> None:
     by_label = {r["label"]: r for r in results}
     torch_ref = {r["param_dtype"]: r for r in results if "torch AdamW" in r["label"]}
     for r in results:
-        ref = by_label.get(reference_of(r["label"]))
+        ref, t = by_label.get(reference_of(r["label"])), torch_ref.get(r["param_dtype"])
         r["final_loss_vs_reference"] = r["final_loss"] / ref["final_loss"] if ref else None
         r["held_out_vs_reference"] = r["held_out_loss"] / ref["held_out_loss"] if ref else None
-        t = torch_ref.get(r["param_dtype"])
         r["state_vs_torch"] = r["state_bytes"] / t["state_bytes"] if t else None
         r["state_vs_fp32_states"] = r["state_bytes_per_param"] / 8.0
-
-    info = {
-        "benchmark": "adamw_modes",
-        "date": _common.utc_now(),
-        "command": _common.command(),
-        "machine": {
-            "cpu": _common.cpu_model(),
-            "cores": os.cpu_count(),
-            "torch_threads": args.threads,
-            "loadavg": os.getloadavg(),
-        },
-        "versions": _common.versions("torch", "transformers", "bitsandbytes", "torchao"),
-        "setup": {
-            "steps": args.steps,
-            "seq_len": SEQ_LEN,
-            "batch": BATCH,
-            "vocab": VOCAB,
-            "peak_lr": PEAK_LR,
-            "warmup": WARMUP,
-            "max_norm": MAX_NORM,
-            "weight_decay": WEIGHT_DECAY,
-            "model": model_config().to_dict(),
-        },
-        "unavailable": unavailable,
-        "results": results,
-        "wall_s": time.perf_counter() - t_start,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "adamw_modes.json").write_text(json.dumps(info, indent=1) + "\n")
+    info["setup"] = {"steps": args.steps, "torch_threads": args.threads, "seq_len": SEQ_LEN, "batch": BATCH,
+                     "vocab": VOCAB, "peak_lr": PEAK_LR, "warmup": WARMUP, "max_norm": MAX_NORM,
+                     "weight_decay": WEIGHT_DECAY, "model": model_config().to_dict()}  # fmt: skip
+    info.update(unavailable=unavailable, results=results, wall_s=time.perf_counter() - t_start)
     if results:
-        plot(out / "adamw_modes.png", results)
-    (out / "adamw_modes.md").write_text(markdown(info))
-    print(markdown(info))
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot(args.out / "adamw_modes.png", results)
+    title = "FusedAdamW state modes: memory and convergence (CPU)"
+    print(_common.write(args.out, "adamw_modes", info, title, markdown(info)))
 
 
 def _x(value, digits=2):
     return "-" if value is None else f"{value:.{digits}f}x"
 
 
-def markdown(info: dict) -> str:
+def markdown(info: dict) -> list[str]:
     results = info["results"]
     n = results[0]["n_params"] if results else 0
     lines = [
-        "# FusedAdamW state modes: memory and convergence (CPU)",
-        "",
-        f"- date: {info['date']}; machine: {info['machine']['cpu']}, {info['machine']['cores']} cores "
-        f"({info['machine']['torch_threads']} torch thread), load average {info['machine']['loadavg'][0]:.1f} "
-        "(shared machine)",
-        f"- versions: {info['versions']}",
-        f"- command: `{info['command']}`",
         f"- model: Llama architecture, {n:,} parameters (hidden 96, 2 layers, vocab {VOCAB}, untied), random "
         f"init; {info['setup']['steps']} steps of {BATCH} x {SEQ_LEN} tokens of the stdlib corpus; lr {PEAK_LR} "
         f"(warm-up {WARMUP}, cosine to 10%), weight decay {WEIGHT_DECAY}, clip {MAX_NORM}; the same data, "
-        "init and schedule for every run",
+        f"init and schedule for every run; {info['setup']['torch_threads']} torch thread(s)",
         f"- wall time {info['wall_s'] / 60:.1f} min",
         "",
         "## Memory: optimizer state and bytes a step moves, per parameter",
@@ -342,14 +248,11 @@ def markdown(info: dict) -> str:
         "",
         "| params | optimizer | state B/param | vs torch fused | vs fp32 states | moved B/param/step |",
         "| --- | --- | ---: | ---: | ---: | ---: |",
-    ]
-    for r in results:
-        tag, name = r["label"].split(" | ")
-        lines.append(
-            f"| {tag} | {name} | {r['state_bytes_per_param']:.3f} | {_x(r['state_vs_torch'])} | "
+        *[
+            f"| {' | '.join(r['label'].split(' | '))} | {r['state_bytes_per_param']:.3f} | {_x(r['state_vs_torch'])} | "
             f"{_x(r['state_vs_fp32_states'])} | {r['bytes_moved_per_param']:.2f} |"
-        )
-    lines += [
+            for r in results
+        ],
         "",
         "## Convergence",
         "",
@@ -359,17 +262,15 @@ def markdown(info: dict) -> str:
         "",
         "| params | optimizer | final loss | vs reference | held-out loss | vs reference | train s |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in results:
-        tag, name = r["label"].split(" | ")
-        lines.append(
-            f"| {tag} | {name} | {r['final_loss']:.4f} | {_x(r['final_loss_vs_reference'], 3)} | "
+        *[
+            f"| {' | '.join(r['label'].split(' | '))} | {r['final_loss']:.4f} | {_x(r['final_loss_vs_reference'], 3)} | "
             f"{r['held_out_loss']:.4f} | {_x(r['held_out_vs_reference'], 3)} | {r['train_s']:.0f} |"
-        )
+            for r in results
+        ],
+    ]
     if info["unavailable"]:
         lines += ["", "Not run:", ""] + [f"- {k}: {v}" for k, v in info["unavailable"].items()]
-    lines += ["", "Loss curves: `adamw_modes.png`.", ""]
-    return "\n".join(lines)
+    return [*lines, "", "Loss curves: `adamw_modes.png`."]
 
 
 if __name__ == "__main__":

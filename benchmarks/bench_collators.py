@@ -1,38 +1,24 @@
 """fasttrain's Rust collators against transformers' and TRL's collators, side by side in one run.
 
-For each case both collators get the same batches (64 examples of random length 16-2048 by default),
-alternating call by call (reference, ours, reference, ours, ...) so that both see the same machine
-load; the figures are medians over all calls. Before timing, each case checks that both outputs are
-identical (keys, dtypes, shapes, values).
-
-Input kinds: "list" (Python lists, as a tokenizer or `datasets` without a format returns them),
-"numpy" (int64 arrays), "arrow" (rows of a `datasets.Dataset` in numpy format: arrays read from the
-Arrow buffers) and "torch" (int64 CPU tensors).
-
-TRL's collators (when trl is installed): SFTTrainer's ``DataCollatorForLanguageModeling`` padded, padding-free,
-and padding-free on packed examples (``seq_lengths``, documents of 16-2048 tokens packed into rows of up to
-8192), and DPOTrainer's ``DataCollatorForPreference`` (prompts of 16-512 tokens, answers of 16-1024,
-``max_length=1024``), and KTOTrainer's ``DataCollatorForUnpairedPreference`` (prompts of 16-512 tokens,
-completions of 16-1024 and KL completions rotated by one within the batch as KTOTrainer builds them,
-``max_length=1024``), all on Python lists as SFTTrainer, DPOTrainer and KTOTrainer hand them over.
+For each case both collators get the same batches (64 examples of random length 16-2048 by default), called
+alternately; medians over all calls; both outputs checked identical first. Inputs: "list" (Python lists),
+"numpy" (int64 arrays), "arrow" (rows of a `datasets.Dataset` in numpy format) and "torch" (int64 tensors).
+TRL's collators (when trl is installed), on Python lists as its trainers hand them over: SFT's
+``DataCollatorForLanguageModeling`` padded, padding-free, and padding-free on packed rows (``seq_lengths``,
+documents of 16-2048 tokens packed into rows of up to 8192); DPO's ``DataCollatorForPreference`` (prompts of
+16-512 tokens, answers of 16-1024, ``max_length=1024``); KTO's ``DataCollatorForUnpairedPreference`` (prompts of
+16-512, completions of 16-1024, KL completions rotated by one within the batch as KTOTrainer builds them).
 
 Usage:
     python benchmarks/bench_collators.py            # writes benchmarks/results/collators.{json,md}
     python benchmarks/bench_collators.py --smoke     # tiny run, checks that the script works
     python benchmarks/bench_collators.py --only "TRL KTO" --out /tmp/bench   # one collator, results elsewhere
-
-Figures are written by this script only; never type them by hand.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import datasets
@@ -52,40 +38,39 @@ def make_rows(batch: int, min_len: int, max_len: int, rng: np.random.Generator, 
     "sft" (input_ids, labels with the prompt masked), "packed" (documents packed into rows, seq_lengths),
     "preference" (prompt_ids, chosen_ids, rejected_ids), "unpaired" (KTO's prompt_ids, completion_ids,
     KL_completion_ids: the completions rotated by one, label)."""
+
+    def ids(longest: int) -> np.ndarray:  # random tokens, a random length in [min_len, longest]
+        return rng.integers(1, VOCAB, int(rng.integers(min_len, longest + 1)))
+
     rows = []
-    for n in rng.integers(min_len, max_len + 1, batch):
-        ids = rng.integers(1, VOCAB, n)
+    for _ in range(batch):
         if data == "sft":
-            labels = ids.copy()
-            labels[: int(rng.integers(0, n))] = -100
-            rows.append({"input_ids": ids, "labels": labels})
+            row = {"input_ids": ids(max_len)}
+            row["labels"] = row["input_ids"].copy()
+            row["labels"][: int(rng.integers(0, len(row["labels"])))] = -100  # the prompt
         elif data == "packed":
             docs = []
             while sum(docs) < 4 * max_len:
                 docs.append(int(rng.integers(min_len, max_len + 1)))
-            total = sum(docs)
-            rows.append({"input_ids": rng.integers(1, VOCAB, total), "seq_lengths": np.asarray(docs)})
+            row = {"input_ids": rng.integers(1, VOCAB, sum(docs)), "seq_lengths": np.asarray(docs)}
         elif data == "preference":
-            rows.append(
-                {
-                    "prompt_ids": rng.integers(1, VOCAB, int(rng.integers(min_len, max_len // 4 + 1))),
-                    "chosen_ids": rng.integers(1, VOCAB, int(rng.integers(min_len, max_len // 2 + 1))),
-                    "rejected_ids": rng.integers(1, VOCAB, int(rng.integers(min_len, max_len // 2 + 1))),
-                }
-            )
+            row = {
+                "prompt_ids": ids(max_len // 4),
+                "chosen_ids": ids(max_len // 2),
+                "rejected_ids": ids(max_len // 2),
+            }
         elif data == "unpaired":
-            rows.append(
-                {
-                    "prompt_ids": rng.integers(1, VOCAB, int(rng.integers(min_len, max_len // 4 + 1))),
-                    "completion_ids": rng.integers(1, VOCAB, int(rng.integers(min_len, max_len // 2 + 1))),
-                    "label": np.bool_(rng.integers(0, 2)),
-                }
-            )
+            row = {
+                "prompt_ids": ids(max_len // 4),
+                "completion_ids": ids(max_len // 2),
+                "label": np.bool_(rng.integers(0, 2)),
+            }
         else:
-            row = {"input_ids": ids, "attention_mask": np.ones(n, dtype=np.int64)}
+            row = {"input_ids": ids(max_len)}
+            row["attention_mask"] = np.ones(len(row["input_ids"]), dtype=np.int64)
             if data == "labels":
-                row["labels"] = rng.integers(1, VOCAB, int(rng.integers(min_len, max_len + 1)))
-            rows.append(row)
+                row["labels"] = ids(max_len)
+        rows.append(row)
     if data == "unpaired":  # KTOTrainer's KL completions: (x_1, y_n), (x_2, y_1), ...
         for row, previous in zip(rows, rows[-1:] + rows[:-1], strict=True):
             row["KL_completion_ids"] = previous["completion_ids"]
@@ -107,82 +92,20 @@ def convert(rows: list[dict], kind: str) -> list[dict]:
     raise ValueError(kind)
 
 
-def same(a, b) -> bool:
-    if type(a) is not type(b) or list(a.keys()) != list(b.keys()):
-        return False
-    for k in b.keys():  # noqa: SIM118 - BatchEncoding
-        x, y = a[k], b[k]
-        if isinstance(y, torch.Tensor):
-            if not (x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)):
-                return False
-        elif x != y:
-            return False
-    return True
-
-
-def timed(fn: Callable, batch: list) -> tuple[float, float]:
-    """One call's (wall time, CPU time of the process), the garbage collector run before and off during the
-    call (as timeit does: otherwise a collection of one side's garbage lands on whichever side allocates next).
-    CPU time leaves out the time the call spent descheduled, which dominates short calls on a loaded machine."""
-    with _common.gc_paused():
-        wall, cpu = time.perf_counter(), time.process_time()
-        fn(batch)
-        return time.perf_counter() - wall, time.process_time() - cpu
-
-
-def alternate(ref: Callable, ours: Callable, batches: list, calls: int) -> tuple[list, list]:
-    """(wall, cpu) pairs of each side, calls alternating on the same batches."""
-    ref_t, our_t = [], []
-    for i in range(calls):
-        b = batches[i % len(batches)]
-        ref_t.append(timed(ref, b))
-        our_t.append(timed(ours, b))
-    return ref_t, our_t
-
-
 def cases(tok, max_len: int) -> list[tuple[str, str, object, object, str]]:
     """(collator name, input kind, reference collator, ours, data of make_rows)."""
-    out = []
-    for kind in ("list", "numpy", "arrow", "torch"):
-        out.append(
-            (
-                "DataCollatorWithPadding",
-                kind,
-                transformers.DataCollatorWithPadding(tok),
-                ft.DataCollatorWithPadding(tok),
-                "plain",
-            )
-        )
-    for kind in ("list", "numpy"):
-        out.append(
-            (
-                "DataCollatorForLanguageModeling(mlm=False)",
-                kind,
-                transformers.DataCollatorForLanguageModeling(tok, mlm=False),
-                ft.DataCollatorForLanguageModeling(tok, mlm=False),
-                "plain",
-            )
-        )
-    for kind in ("list", "numpy"):
-        out.append(
-            (
-                "DataCollatorForSeq2Seq",
-                kind,
-                transformers.DataCollatorForSeq2Seq(tok),
-                ft.DataCollatorForSeq2Seq(tok),
-                "labels",
-            )
-        )
-    for kind in ("list", "numpy"):
-        out.append(
-            (
-                "DataCollatorWithFlattening",
-                kind,
-                transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True),
-                ft.DataCollatorWithFlattening(return_flash_attn_kwargs=True),
-                "plain",
-            )
-        )
+    kwargs = {
+        "DataCollatorWithPadding": ((tok,), {}, "plain", ("list", "numpy", "arrow", "torch")),
+        "DataCollatorForLanguageModeling": ((tok,), {"mlm": False}, "plain", ("list", "numpy")),
+        "DataCollatorForSeq2Seq": ((tok,), {}, "labels", ("list", "numpy")),
+        "DataCollatorWithFlattening": ((), {"return_flash_attn_kwargs": True}, "plain", ("list", "numpy")),
+    }
+    out = [
+        (name + ("(mlm=False)" if "mlm" in kw else ""), kind, getattr(transformers, name)(*a, **kw),
+         getattr(ft, name)(*a, **kw), data)
+        for name, (a, kw, data, kinds) in kwargs.items()
+        for kind in kinds
+    ]  # fmt: skip
     return out + trl_cases(max_len)
 
 
@@ -192,51 +115,26 @@ def trl_cases(max_len: int) -> list[tuple[str, str, object, object, str]]:
     except ImportError:
         print("trl is not installed: TRL's collators are not measured", flush=True)
         return []
-    from fasttrain.data import trl_collators
+    from fasttrain.data import trl_collators as ours
 
-    sft = [
-        ("TRL SFT DataCollatorForLanguageModeling", dict(pad_token_id=PAD_ID), "sft"),
-        (
-            "TRL SFT DataCollatorForLanguageModeling(padding_free)",
-            dict(pad_token_id=PAD_ID, padding_free=True),
-            "sft",
-        ),
-        (
-            "TRL SFT DataCollatorForLanguageModeling(padding_free, packed)",
-            dict(pad_token_id=PAD_ID, padding_free=True),
-            "packed",
-        ),
-    ]
-    out = [
-        (
-            name,
-            "list",
-            sft_trainer.DataCollatorForLanguageModeling(**kw),
-            trl_collators.DataCollatorForLanguageModeling(**kw),
-            data,
-        )
-        for name, kw, data in sft
-    ]
-    kw = dict(pad_token_id=PAD_ID, max_length=max_len // 2)
-    out.append(
-        (
-            f"TRL DPO DataCollatorForPreference(max_length={max_len // 2})",
-            "list",
-            dpo_trainer.DataCollatorForPreference(**kw),
-            trl_collators.DataCollatorForPreference(**kw),
-            "preference",
-        )
+    lm, free, short = (
+        "DataCollatorForLanguageModeling",
+        dict(padding_free=True),
+        dict(max_length=max_len // 2),
     )
-    out.append(
-        (
-            f"TRL KTO DataCollatorForUnpairedPreference(max_length={max_len // 2})",
-            "list",
-            kto_trainer.DataCollatorForUnpairedPreference(**kw),
-            trl_collators.DataCollatorForUnpairedPreference(**kw),
-            "unpaired",
-        )
-    )
-    return out
+    table = [  # (name, TRL's module, class, keyword arguments beside the pad id, data)
+        (f"TRL SFT {lm}", sft_trainer, lm, {}, "sft"),
+        (f"TRL SFT {lm}(padding_free)", sft_trainer, lm, free, "sft"),
+        (f"TRL SFT {lm}(padding_free, packed)", sft_trainer, lm, free, "packed"),
+        (f"TRL DPO DataCollatorForPreference(max_length={max_len // 2})", dpo_trainer,
+         "DataCollatorForPreference", short, "preference"),
+        (f"TRL KTO DataCollatorForUnpairedPreference(max_length={max_len // 2})", kto_trainer,
+         "DataCollatorForUnpairedPreference", short, "unpaired"),
+    ]  # fmt: skip
+    return [
+        (name, "list", getattr(module, cls)(pad_token_id=PAD_ID, **kw), getattr(ours, cls)(pad_token_id=PAD_ID, **kw), data)
+        for name, module, cls, kw, data in table
+    ]  # fmt: skip
 
 
 def main() -> None:
@@ -247,13 +145,13 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=30, help="timed calls per collator and case (alternating)")
     p.add_argument("--batches", type=int, default=4, help="distinct batches cycled through")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--out", type=Path, default=_common.RESULTS)
     p.add_argument("--smoke", action="store_true", help="tiny sizes; results are not written")
     p.add_argument("--only", help="measure only the collators whose name contains this text (e.g. 'TRL KTO')")
     args = p.parse_args()
     if args.smoke:
         args.batch, args.max_len, args.calls, args.batches = 8, 64, 3, 2
-
+    record = _common.new_result("collators", "numpy")
     tok = _common.word_level_tokenizer()  # pad id 0 = PAD_ID
     rng = np.random.default_rng(args.seed)
     raw = {
@@ -265,99 +163,54 @@ def main() -> None:
         if args.only is not None and args.only not in name:
             continue
         batches = [convert(rows, kind) for rows in raw[data]]
-        if not same(ours(batches[0]), ref(batches[0])):
-            raise SystemExit(f"{name} on {kind} input: outputs differ from the reference")
+        if differ := _common.batch_difference(ours(batches[0]), ref(batches[0])):
+            raise SystemExit(f"{name} on {kind} input: outputs differ from the reference: {differ}")
         ours(batches[0])  # warm-up
         ref(batches[0])
-        ref_t, our_t = alternate(ref, ours, batches, args.calls)
-        r_med, o_med = (statistics.median(wall for wall, _ in t) for t in (ref_t, our_t))
-        r_cpu, o_cpu = (statistics.median(cpu for _, cpu in t) for t in (ref_t, our_t))
+        times = _common.alternate(
+            args.calls,
+            {side: (lambda i, f=f, b=batches: f(b[i % len(b)])) for side, f in (("r", ref), ("o", ours))},
+        )
+        r_med, o_med, r_cpu, o_cpu = (_common.median_s(times[side], cpu) for cpu in (0, 1) for side in "ro")
         tokens = statistics.mean(
             sum(sum(len(v) for k, v in r.items() if k.endswith("ids")) for r in rows) for rows in raw[data]
         )
         results.append(
-            {
-                "collator": name,
-                "input": kind,
-                "reference_ms_per_batch": r_med * 1e3,
-                "fasttrain_ms_per_batch": o_med * 1e3,
-                "reference_examples_per_s": args.batch / r_med,
-                "fasttrain_examples_per_s": args.batch / o_med,
-                "speedup": r_med / o_med,
-                "reference_cpu_ms_per_batch": r_cpu * 1e3,
-                "fasttrain_cpu_ms_per_batch": o_cpu * 1e3,
-                "speedup_cpu_time": r_cpu / o_cpu,
-                "mean_tokens_per_batch": tokens,
-            }
-        )
-        print(
-            f"{name:62s} {kind:6s} reference {r_med * 1e3:8.2f} ms  fasttrain {o_med * 1e3:7.3f} ms  "
-            f"x{r_med / o_med:6.1f}  (CPU time x{r_cpu / o_cpu:6.1f})",
-            flush=True,
-        )
-
-    record = {
-        "benchmark": "collators",
-        "date_utc": _common.utc_now(),
-        "command": _common.command(),
-        "machine": {
-            "cpu": _common.cpu_model(),
-            "cores": os.cpu_count(),
-            "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "platform": platform.platform(),
-            # The development machines are shared: the load says how busy the cores were.
-            "load_average_1_5_15min_at_start": list(os.getloadavg()),
-        },
-        "versions": _common.versions(
-            "fasttrain", "transformers", "trl", "torch", "numpy", "tokenizers", "datasets"
-        ),
-        "setup": {
-            "batch": args.batch,
-            "lengths": [args.min_len, args.max_len],
-            "timed_calls_per_collator": args.calls,
-            "distinct_batches": args.batches,
-            "return_tensors": "pt",
-            "method": "reference and fasttrain called alternately on the same batches, the garbage collector "
-            "run before and off during each call (as timeit does); medians of wall time, and of the process's "
-            "CPU time (which leaves out time spent descheduled on a loaded machine)",
-        },
-        "results": results,
-    }
+            {"collator": name, "input": kind, "reference_ms_per_batch": r_med * 1e3,
+             "fasttrain_ms_per_batch": o_med * 1e3, "reference_examples_per_s": args.batch / r_med,
+             "fasttrain_examples_per_s": args.batch / o_med, "speedup": r_med / o_med,
+             "reference_cpu_ms_per_batch": r_cpu * 1e3, "fasttrain_cpu_ms_per_batch": o_cpu * 1e3,
+             "speedup_cpu_time": r_cpu / o_cpu, "mean_tokens_per_batch": tokens}
+        )  # fmt: skip
+        print(f"{name:62s} {kind:6s} reference {r_med * 1e3:8.2f} ms  fasttrain {o_med * 1e3:7.3f} ms  "
+              f"x{r_med / o_med:6.1f}  (CPU time x{r_cpu / o_cpu:6.1f})", flush=True)  # fmt: skip
+    method = (
+        "reference and fasttrain called alternately on the same batches, the garbage collector run before and off "
+        "during each call (as timeit does); medians of wall time, and of the process's CPU time (which leaves out "
+        "time spent descheduled on a loaded machine)"
+    )
+    record["setup"] = {"batch": args.batch, "lengths": [args.min_len, args.max_len], "timed_calls_per_collator":
+                       args.calls, "distinct_batches": args.batches, "return_tensors": "pt", "method": method}  # fmt: skip
+    record["results"] = results
     if args.smoke:
         print("smoke run: results not written")
         return
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "collators.json").write_text(json.dumps(record, indent=2) + "\n")
-    (args.out / "collators.md").write_text(markdown(record))
-    print(f"wrote {args.out / 'collators.json'} and {args.out / 'collators.md'}")
-
-
-def markdown(r: dict) -> str:
-    m, v, s = r["machine"], r["versions"], r["setup"]
     lines = [
-        "# Collators: fasttrain (Rust) vs transformers and TRL",
-        "",
-        f"- Date (UTC): {r['date_utc']}",
-        f"- Machine: {m['cpu']}, {m['cores']} cores ({m['cores_usable']} usable), {m['platform']}; "
-        f"load average at start {', '.join(f'{x:.1f}' for x in m['load_average_1_5_15min_at_start'])}",
-        "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
-        f"- Command: `{r['command']}`",
-        f"- Setup: batch {s['batch']}, lengths uniform in [{s['lengths'][0]}, {s['lengths'][1]}], "
-        f"{s['timed_calls_per_collator']} timed calls per collator over {s['distinct_batches']} batches, "
-        f"return_tensors='{s['return_tensors']}'; {s['method']}. Outputs checked identical before timing.",
+        f"Batch {args.batch}, lengths uniform in [{args.min_len}, {args.max_len}], {args.calls} timed calls per "
+        f"collator over {args.batches} batches, return_tensors='pt'; {method}. Outputs checked identical first.",
         "",
         "| collator | input | reference ms/batch | fasttrain ms/batch | reference examples/s "
         "| fasttrain examples/s | speedup | CPU ms/batch: reference, fasttrain | speedup (CPU time) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for x in r["results"]:
+    for x in results:
         lines.append(
             f"| {x['collator']} | {x['input']} | {x['reference_ms_per_batch']:.2f} | "
             f"{x['fasttrain_ms_per_batch']:.3f} | {x['reference_examples_per_s']:,.0f} | "
-            f"{x['fasttrain_examples_per_s']:,.0f} | {x['speedup']:.1f}x | "
-            f"{x['reference_cpu_ms_per_batch']:.2f}, {x['fasttrain_cpu_ms_per_batch']:.3f} | {x['speedup_cpu_time']:.1f}x |"
+            f"{x['fasttrain_examples_per_s']:,.0f} | {x['speedup']:.1f}x | {x['reference_cpu_ms_per_batch']:.2f}, "
+            f"{x['fasttrain_cpu_ms_per_batch']:.3f} | {x['speedup_cpu_time']:.1f}x |"
         )
-    return "\n".join(lines) + "\n"
+    _common.write(args.out, "collators", record, "Collators: fasttrain (Rust) vs transformers and TRL", lines)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,11 @@
 """Optimizer-state memory per rank, per engine and state_dtype (CPU processes, gloo).
 
 For each engine (DDP; FSDP2 full shard, hybrid shard on a 2 x 2 mesh, CPU offload; DeepSpeed ZeRO-1/2/3) and
-world size (2 and 4 processes), one optimizer step of a small Qwen3 (random init, bf16 parameters) with each of
-torch's ``torch.optim.AdamW`` and fasttrain's ``FusedAdamW`` with ``state_dtype`` None (moments in the
-parameter's dtype: bf16 here), ``"float32"`` and ``"8bit"``. After the step each rank counts the bytes of every
-tensor in its ``optimizer.state`` (step counters included): a DTensor's local shard (FSDP2), the states of the
-flat fp32 partitions the engine hands the optimizer (DeepSpeed: the client optimizer ZeRO steps). Two per-rank
-figures per cell:
-
-- bytes per *stepped* parameter: the state bytes over the elements of the tensors this rank's optimizer holds
-  state for (its local shards, its ZeRO partitions, every parameter under DDP): what the layout costs;
-- bytes per *1/world of the model*: the state bytes over the model's parameter count divided by the number of
-  processes: what the engine's sharding saves (DDP keeps world x, hybrid shard 2 x).
-
-The engines run directly (no Trainer): DDP wraps the model in ``DistributedDataParallel``; FSDP2 calls
-``fully_shard`` on each decoder layer and on the model; DeepSpeed gets the optimizer as its client optimizer with
-``bf16`` on (``DS_ACCELERATOR=cpu``, as tests/test_deepspeed.py runs it). One launch per world size and engine
-family (torch's engines, DeepSpeed's); a cell that fails records its error and the others go on.
+world size, one step of a small bf16 Qwen3 with torch's AdamW and FusedAdamW at ``state_dtype`` None (the
+parameter's dtype), ``"float32"`` and ``"8bit"``; then each rank counts the bytes of its ``optimizer.state`` (a
+DTensor's local shard; under DeepSpeed the states of ZeRO's fp32 partitions). Per rank: bytes per *stepped*
+parameter (what the layout costs) and per *1/world of the model* (what the sharding saves). The engines run
+directly (no Trainer); a cell that fails records its error and the others go on.
 
     python benchmarks/bench_optimizer_memory.py                       # everything; results in benchmarks/results/
     python benchmarks/bench_optimizer_memory.py --worlds 2 --engines ddp,fsdp2 --out /tmp   # smoke run
@@ -27,10 +16,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -39,25 +24,16 @@ from typing import Any
 
 import _common
 
-ROOT = Path(__file__).resolve().parents[1]
-ENGINES = ("ddp", "fsdp2", "fsdp2-hybrid", "fsdp2-offload", "zero1", "zero2", "zero3")
 ENGINE_NAMES = {
-    "ddp": "DDP",
-    "fsdp2": "FSDP2 full shard",
-    "fsdp2-hybrid": "FSDP2 hybrid shard (2 x world/2)",
-    "fsdp2-offload": "FSDP2 + CPU offload",
-    "zero1": "DeepSpeed ZeRO-1",
-    "zero2": "DeepSpeed ZeRO-2",
+    "ddp": "DDP", "fsdp2": "FSDP2 full shard", "fsdp2-hybrid": "FSDP2 hybrid shard (2 x world/2)",
+    "fsdp2-offload": "FSDP2 + CPU offload", "zero1": "DeepSpeed ZeRO-1", "zero2": "DeepSpeed ZeRO-2",
     "zero3": "DeepSpeed ZeRO-3",
-}
+}  # fmt: skip
+ENGINES = tuple(ENGINE_NAMES)
 # torch.optim.AdamW, then FusedAdamW by state_dtype ("param": None, the parameter's dtype)
-OPTIMIZERS = ("torch", "param", "float32", "8bit")
-OPTIMIZER_NAMES = {
-    "torch": "torch AdamW",
-    "param": "FusedAdamW None (param dtype: bf16)",
-    "float32": "FusedAdamW float32",
-    "8bit": "FusedAdamW 8bit",
-}
+OPTIMIZER_NAMES = {"torch": "torch AdamW", "param": "FusedAdamW None (param dtype: bf16)",
+                   "float32": "FusedAdamW float32", "8bit": "FusedAdamW 8bit"}  # fmt: skip
+OPTIMIZERS = tuple(OPTIMIZER_NAMES)
 REQUIRED_8BIT_OVER_BF16 = 0.55  # FSDP2: 8-bit states at most this fraction of bf16 states, per rank
 
 
@@ -96,26 +72,6 @@ def optimizer_state_bytes(optimizer: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ worker side
 
 
-def _model(a):
-    import torch
-    import transformers
-
-    config = transformers.Qwen3Config(
-        vocab_size=a.vocab,
-        hidden_size=a.hidden,
-        intermediate_size=3 * a.hidden,
-        num_hidden_layers=a.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=a.hidden // 4,
-        max_position_embeddings=a.seq_len,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-
-
 def _optimizer(kind: str, params):
     import torch
 
@@ -127,32 +83,23 @@ def _optimizer(kind: str, params):
     return FusedAdamW(params, lr=1e-4, weight_decay=0.01, state_dtype=state_dtype)
 
 
-def _batch(a, rank: int, step: int):
-    import torch
-
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(2, a.vocab, (a.batch, a.seq_len), generator=g)
-
-
 def _ds_config(stage: int, world: int, batch: int) -> dict:
     return {
-        "train_micro_batch_size_per_gpu": batch,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": batch * world,
-        "gradient_clipping": 1.0,
-        "bf16": {"enabled": True},
+        "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "train_batch_size": batch * world,
+        "gradient_clipping": 1.0, "bf16": {"enabled": True}, "steps_per_print": 10**9,
         # 0: every weight partitioned under ZeRO-3 (as tests/_deepspeed_worker.py)
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "zero_allow_untested_optimizer": True,  # FusedAdamW is not on DeepSpeed's list of tested optimizers
-        "steps_per_print": 10**9,
-    }
+    }  # fmt: skip
 
 
 def _cell(engine: str, kind: str, a, rank: int, world: int) -> dict:
     """One optimizer under one engine: ``a.steps`` steps, then this rank's state bytes."""
     import torch
 
-    model = _model(a)
+    model = _common.tiny_qwen3(
+        a.vocab, a.hidden, a.layers, max_position_embeddings=a.seq_len, tie_word_embeddings=False
+    ).to(torch.bfloat16)
     total_params = sum(p.numel() for p in model.parameters())
     started = time.perf_counter()
     ds_engine = None
@@ -171,10 +118,10 @@ def _cell(engine: str, kind: str, a, rank: int, world: int) -> dict:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-            if engine == "fsdp2-hybrid":
-                mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-            else:
-                mesh = init_device_mesh("cpu", (world,))
+            shape, names = (
+                ((2, world // 2), ("replicate", "shard")) if engine == "fsdp2-hybrid" else ((world,), None)
+            )
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
             offload = CPUOffloadPolicy(pin_memory=False) if engine == "fsdp2-offload" else OffloadPolicy()
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh, offload_policy=offload)
@@ -183,7 +130,8 @@ def _cell(engine: str, kind: str, a, rank: int, world: int) -> dict:
         stepped_by = type(model).__name__
     losses = []
     for step in range(a.steps):
-        ids = _batch(a, rank, step)
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        ids = torch.randint(2, a.vocab, (a.batch, a.seq_len), generator=g)
         if ds_engine is not None:
             loss = ds_engine(input_ids=ids, labels=ids).loss
             ds_engine.backward(loss)
@@ -195,17 +143,13 @@ def _cell(engine: str, kind: str, a, rank: int, world: int) -> dict:
             opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach().float()))
     counted = optimizer_state_bytes(opt)
-    stepped_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in opt.state})
     result = {
         **counted,
         "total_params": total_params,
         "bytes_per_world_share": counted["bytes"] / (total_params / world),
-        "stepped_param_dtypes": stepped_dtypes,
-        # what the optimizer steps, in bytes: the model's own parameters (DDP, FSDP2) or ZeRO's fp32 partitions,
-        # which DeepSpeed's bf16 mode keeps beside the bf16 model (master weights, outside optimizer.state)
-        "stepped_bytes": sum(
-            (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in opt.state
-        ),
+        # the model's own parameters (DDP, FSDP2) or ZeRO's fp32 partitions, which DeepSpeed's bf16 mode keeps
+        # beside the bf16 model (master weights, outside optimizer.state)
+        "stepped_param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in opt.state}),
         "optimizer": type(opt).__name__,
         "wrapped_by": stepped_by,
         "losses": losses,
@@ -250,28 +194,22 @@ def worker(a) -> None:
 # ------------------------------------------------------------------------------------------------ driver side
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def launch(engines: list[str], world: int, a, scratch: Path) -> list[dict]:
     """One torchrun launch of ``world`` processes running ``engines`` x every optimizer; its cells."""
     out_file = scratch / f"{'-'.join(engines)}-{world}.json"
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), DS_ACCELERATOR="cpu")
-    env.pop("TRITON_INTERPRET", None)  # the CPU paths, not the Triton interpreter
-    model_args = ["--steps", a.steps, "--batch", a.batch, "--seq-len", a.seq_len, "--hidden", a.hidden,
-                  "--layers", a.layers, "--vocab", a.vocab, "--threads", a.threads]  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
-           _free_port(), __file__, "--worker", "--engines", ",".join(engines), "--optimizers", a.optimizers,
-           "--out-file", str(out_file), *map(str, model_args)]  # fmt: skip
     started = time.perf_counter()
-    try:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=a.timeout)
-        failure = None if done.returncode == 0 else f"exit {done.returncode}: {done.stderr[-1500:]}"
-    except subprocess.TimeoutExpired:
-        failure = f"launch timed out after {a.timeout} s"
+    worker = [
+        "--worker",
+        "--engines",
+        ",".join(engines),
+        "--optimizers",
+        a.optimizers,
+        "--out-file",
+        out_file,
+    ]
+    failure = _common.torchrun(
+        __file__, world, [*worker, *_common.forwarded(a, a.sizes)], a.threads, a.timeout
+    )
     seconds = time.perf_counter() - started
     cells = json.loads(out_file.read_text()) if out_file.exists() else []
     got = {(c["engine"], c["optimizer"]) for c in cells}
@@ -282,8 +220,7 @@ def launch(engines: list[str], world: int, a, scratch: Path) -> list[dict]:
                 cells.append({"engine": engine, "optimizer": kind, "world": world, "ranks": [err]})
     for c in cells:
         c["launch_s"] = seconds
-    print(f"world {world}, {','.join(engines)}: {seconds:.0f} s" + (f" ({failure})" if failure else ""),
-          flush=True)  # fmt: skip
+    print(f"world {world}, {','.join(engines)}: {seconds:.0f} s {failure or ''}", flush=True)
     return cells
 
 
@@ -302,98 +239,93 @@ def _bf16_state_dtype() -> str:
 
 
 def _summary(cells: list[dict]) -> list[dict]:
-    """One row per (engine, world): per optimizer, the largest per-rank figures over the ranks."""
+    """One row per (engine, world): per optimizer, the largest per-rank figures over the ranks (or the error),
+    and the largest per-rank ratio of 8-bit over param-dtype state bytes."""
     rows: dict[tuple[str, int], dict] = {}
     for c in cells:
-        row = rows.setdefault(
-            (c["engine"], c["world"]), {"engine": c["engine"], "world": c["world"], "cells": {}}
-        )
-        ranks = c["ranks"]
+        key = (c["engine"], c["world"])
+        row = rows.setdefault(key, {"engine": c["engine"], "world": c["world"], "cells": {}, "ranks": {}})
+        ranks = row["ranks"][c["optimizer"]] = c["ranks"]
         errors = [r["error"] for r in ranks if "error" in r]
-        if errors:
-            row["cells"][c["optimizer"]] = {"error": errors[0]}
-            continue
-        row["cells"][c["optimizer"]] = {
+        row["cells"][c["optimizer"]] = {"error": errors[0]} if errors else {
             "bytes_per_param": max(r["bytes_per_param"] for r in ranks),
             "bytes_per_param_min": min(r["bytes_per_param"] for r in ranks),
             "bytes_per_world_share": max(r["bytes_per_world_share"] for r in ranks),
-            "bytes_max_rank": max(r["bytes"] for r in ranks),
             "stepped_max_rank": max(r["stepped"] for r in ranks),
-            "total_params": ranks[0]["total_params"],
-            "state_dtypes": ranks[0]["dtypes"],
-            "stepped_param_dtypes": ranks[0]["stepped_param_dtypes"],
-            "optimizer_class": ranks[0]["optimizer"],
-            "wrapped_by": ranks[0]["wrapped_by"],
             "seconds": max(r["seconds"] for r in ranks),
-        }
+            **{k: ranks[0][k] for k in ("total_params", "dtypes", "stepped_param_dtypes", "optimizer", "wrapped_by")},
+        }  # fmt: skip
     out = []
     for key in sorted(rows, key=lambda k: (ENGINES.index(k[0]), k[1])):
         row = rows[key]
-        got = row["cells"]
+        got, ranks = row["cells"], row.pop("ranks")
         ref = got.get("torch", {}).get("bytes_per_param")
         for cell in got.values():
             if "error" not in cell and ref:
                 cell["vs_torch"] = cell["bytes_per_param"] / ref
-        low, eight = got.get("param", {}), got.get("8bit", {})
-        if "bytes_max_rank" in low and "bytes_max_rank" in eight:
-            row["8bit_over_param"] = _per_rank_ratio(cells, row["engine"], row["world"])
-            row["param_state_dtype"] = [d for d in low["state_dtypes"] if d != "float32"] or ["float32"]
+        low, eight = ranks.get("param", []), ranks.get("8bit", [])
+        if low and eight and not any("error" in r for r in low + eight):
+            row["8bit_over_param"] = max(e["bytes"] / p["bytes"] for p, e in zip(low, eight, strict=True))
+            row["param_state_dtype"] = [d for d in got["param"]["dtypes"] if d != "float32"] or ["float32"]
         out.append(row)
     return out
 
 
-def _per_rank_ratio(cells: list[dict], engine: str, world: int) -> float | None:
-    """The largest over the ranks of (8-bit state bytes / param-dtype state bytes) of one rank."""
-    by = {(c["engine"], c["world"], c["optimizer"]): c["ranks"] for c in cells}
-    low, eight = by.get((engine, world, "param")), by.get((engine, world, "8bit"))
-    if not low or not eight or any("error" in r for r in low + eight):
-        return None
-    return max(e["bytes"] / p["bytes"] for p, e in zip(low, eight, strict=True))
-
-
-def _markdown(env: dict, rows: list[dict], cells: list[dict], a) -> str:
+def _markdown(result: dict) -> list[str]:
+    a, rows = argparse.Namespace(**result["args"]), result["summary"]
     kinds = a.optimizers.split(",")
-    any_cell = next((c for r in rows for c in r["cells"].values() if "total_params" in c), {})
-    total = any_cell.get("total_params", 0)
+    total = next((c["total_params"] for r in rows for c in r["cells"].values() if "total_params" in c), 0)
 
-    def cell_text(row: dict, kind: str, field: str, ratio: bool) -> str:
+    def cell_text(row: dict, kind: str, field: str) -> str:
         c = row["cells"].get(kind)
         if c is None:
             return "not run"
         if "error" in c:
             return "failed: " + c["error"].splitlines()[0][:80].replace("|", "/")
-        text = f"{c[field]:.3f}"
-        if field == "bytes_per_param" and c["bytes_per_param"] - c["bytes_per_param_min"] > 5e-4:
-            text = f"{c['bytes_per_param_min']:.3f}..{c[field]:.3f}"
-        if ratio and "vs_torch" in c:
-            text += f" ({c['vs_torch']:.2f}x)"
-        return text
+        low = c["bytes_per_param_min"] if field == "bytes_per_param" else c[field]
+        text = f"{low:.3f}..{c[field]:.3f}" if c[field] - low > 5e-4 else f"{c[field]:.3f}"
+        return text + (f" ({c['vs_torch']:.2f}x)" if field == "bytes_per_param" and "vs_torch" in c else "")
 
     def ratio_text(row: dict) -> str:
-        r = _per_rank_ratio(cells, row["engine"], row["world"])
-        if r is None:
+        if "8bit_over_param" not in row:
             return "n/a"
-        dtypes = row.get("param_state_dtype", [])
-        return f"{r:.3f}x" + ("" if dtypes == ["bfloat16"] else f" (over {'/'.join(dtypes)} moments)")
+        dtypes = "/".join(row["param_state_dtype"])
+        return f"{row['8bit_over_param']:.3f}x" + (
+            "" if dtypes == "bfloat16" else f" (over {dtypes} moments)"
+        )
 
-    header = "| engine | processes | " + " | ".join(OPTIMIZER_NAMES[k] for k in kinds)
-    lines = [
-        "# Optimizer-state memory per rank: engines x state_dtype (CPU processes, gloo)",
-        "",
-        f"- date: {env['date']}; machine: {env['cpu']}, {env['cores']} cores ({a.threads} torch thread a process),"
-        f" load average at start {env['load_average_at_start']:.1f} (a machine shared with other work)",
-        "- versions: "
-        + ", ".join(f"{k} {env[k]}" for k in ("python", "torch", "transformers", "deepspeed", "fasttrain")),
-        f"- command: `{env['command']}`",
+    def table(field: str, ratio: bool) -> list[str]:
+        heads = ["engine", "processes", *(OPTIMIZER_NAMES[k] for k in kinds)]
+        heads += ["8-bit / param-dtype states, per rank"] * ratio
+        lines = ["| " + " | ".join(heads) + " |", "| --- |" + " ---: |" * (len(heads) - 1)]
+        for row in rows:
+            cells = [
+                ENGINE_NAMES[row["engine"]],
+                str(row["world"]),
+                *(cell_text(row, k, field) for k in kinds),
+            ]
+            lines.append("| " + " | ".join(cells + [ratio_text(row)] * ratio) + " |")
+        return lines
+
+    checks = [
+        f"- {ENGINE_NAMES[row['engine']]}, {row['world']} processes: "
+        + (
+            f"{r:.3f}x ({'pass' if r <= REQUIRED_8BIT_OVER_BF16 else 'FAIL'})"
+            if (r := row.get("8bit_over_param"))
+            else "n/a (not measured)"
+        )
+        for row in rows
+        if row["engine"].startswith("fsdp2")
+    ]
+    return [
         f"- model: Qwen3, hidden {a.hidden}, {a.layers} layers, vocabulary {a.vocab} (untied lm_head), {total:,}"
         f" parameters, random init, bf16 parameters; {a.steps} optimizer step(s) on {a.batch} x {a.seq_len}"
-        " random tokens a rank; wall time "
-        f"{env['wall_s'] / 60:.1f} min",
+        f" random tokens a rank; {a.threads} torch thread(s) a process; wall time {result['wall_s'] / 60:.1f} min",
         "- counted: after the step(s), on each rank, the bytes of every tensor in `optimizer.state` (step counters"
         " included: 4 B per parameter tensor), a DTensor's local shard only; under DeepSpeed the states of the fp32"
         " partitions ZeRO hands the optimizer. Each cell is the largest value over the ranks"
         " (a range where ranks differ).",
-        f"- `FusedAdamW(state_dtype=torch.bfloat16)`: {env['bf16_state_dtype']}. bf16 moments are"
+        f"- `FusedAdamW(state_dtype=torch.bfloat16)`: {result['bf16_state_dtype']}. bf16 moments are"
         " `state_dtype=None` on bf16 parameters (the 'param dtype' column).",
         "",
         "## Bytes per stepped parameter, per rank",
@@ -401,39 +333,14 @@ def _markdown(env: dict, rows: list[dict], cells: list[dict], a) -> str:
         "State bytes on a rank / the elements of the tensors that rank's optimizer steps (its shards, its ZeRO"
         " partition, all parameters under DDP). In parentheses: the ratio to torch's AdamW under the same engine.",
         "",
-        header + " | 8-bit / param-dtype states, per rank |",
-        "| --- | ---: | " + " | ".join("---:" for _ in kinds) + " | ---: |",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {ENGINE_NAMES[row['engine']]} | {row['world']} | "
-            + " | ".join(cell_text(row, k, "bytes_per_param", True) for k in kinds)
-            + f" | {ratio_text(row)} |"
-        )
-    lines += [
+        *table("bytes_per_param", True),
         "",
         "## Bytes per 1/world of the model, per rank",
         "",
         f"State bytes on a rank / ({total:,} parameters / processes): the per-rank memory the engine's sharding"
         " leaves (DDP holds every state on every rank: world x; hybrid shard: 2 x, its replicas).",
         "",
-        header + " |",
-        "| --- | ---: | " + " | ".join("---:" for _ in kinds) + " |",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {ENGINE_NAMES[row['engine']]} | {row['world']} | "
-            + " | ".join(cell_text(row, k, "bytes_per_world_share", False) for k in kinds)
-            + " |"
-        )
-    checks = []
-    for row in rows:
-        if row["engine"].startswith("fsdp2"):
-            r = _per_rank_ratio(cells, row["engine"], row["world"])
-            verdict = "not measured" if r is None else ("pass" if r <= REQUIRED_8BIT_OVER_BF16 else "FAIL")
-            shown = "n/a" if r is None else f"{r:.3f}x"
-            checks.append(f"- {ENGINE_NAMES[row['engine']]}, {row['world']} processes: {shown} ({verdict})")
-    lines += [
+        *table("bytes_per_world_share", False),
         "",
         f"## Requirement: 8-bit states <= {REQUIRED_8BIT_OVER_BF16}x of bf16 states per rank on FSDP2",
         "",
@@ -454,20 +361,22 @@ def _markdown(env: dict, rows: list[dict], cells: list[dict], a) -> str:
         " (model build, engine set-up, step):",
         "",
         *[_stepped_line(row) for row in rows],
-    ]
-    return "\n".join(lines) + "\n"
+    ]  # fmt: skip
 
 
 def _stepped_line(row: dict) -> str:
     c = row["cells"].get("8bit") or next(iter(row["cells"].values()))
-    slowest = max((x["seconds"] for x in row["cells"].values() if "seconds" in x), default=float("nan"))
+    where = f"  - {ENGINE_NAMES[row['engine']]}, {row['world']} processes:"
     if "error" in c:
-        return f"  - {ENGINE_NAMES[row['engine']]}, {row['world']} processes: {c['error'].splitlines()[0]}"
+        return f"{where} {c['error'].splitlines()[0]}"
+    slowest = max((x["seconds"] for x in row["cells"].values() if "seconds" in x), default=float("nan"))
     return (
-        f"  - {ENGINE_NAMES[row['engine']]}, {row['world']} processes: {c['stepped_max_rank']:,} elements of"
-        f" {'/'.join(c['stepped_param_dtypes'])} a rank (at most), wrapped by {c['wrapped_by']}; state dtypes"
-        f" {'/'.join(c['state_dtypes'])}; slowest cell {slowest:.1f} s"
+        f"{where} {c['stepped_max_rank']:,} elements of {'/'.join(c['stepped_param_dtypes'])} a rank (at most),"
+        f" wrapped by {c['wrapped_by']}; state dtypes {'/'.join(c['dtypes'])}; slowest cell {slowest:.1f} s"
     )
+
+
+TITLE = "Optimizer-state memory per rank: engines x state_dtype (CPU processes, gloo)"
 
 
 def main() -> None:
@@ -475,15 +384,10 @@ def main() -> None:
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
-    p.add_argument("--steps", type=int, default=1)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--threads", type=int, default=1)
+    sizes = dict(steps=1, batch=1, seq_len=64, hidden=256, layers=4, vocab=32000, threads=1)
+    p.set_defaults(sizes=_common.int_options(p, **sizes))
     p.add_argument("--timeout", type=int, default=600, help="seconds a launch may take")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", type=Path, default=_common.RESULTS)
     p.add_argument(
         "--render", metavar="JSON", help="only rewrite the .md beside a results .json from its data"
     )
@@ -495,49 +399,23 @@ def main() -> None:
         return
     if a.render:
         saved = json.loads(Path(a.render).read_text())
-        md = Path(a.render).with_suffix(".md")
-        md.write_text(
-            _markdown(
-                saved["environment"], saved["summary"], saved["cells"], argparse.Namespace(**saved["args"])
-            )
-        )
-        print(f"wrote {md}")
+        _common.write(Path(a.render).parent, Path(a.render).stem, saved, TITLE, _markdown(saved))
         return
     engines = a.engines.split(",")
-    unknown = set(engines) - set(ENGINES) or set(a.optimizers.split(",")) - set(OPTIMIZERS)
-    if unknown:
-        p.error(
-            f"unknown {sorted(unknown)}; engines: {','.join(ENGINES)}; optimizers: {','.join(OPTIMIZERS)}"
-        )
+    if unknown := set(engines) - set(ENGINES) or set(a.optimizers.split(",")) - set(OPTIMIZERS):
+        p.error(f"unknown {sorted(unknown)}; engines: {ENGINES}; optimizers: {OPTIMIZERS}")
+    result = _common.new_result("optimizer_memory_cpu", "deepspeed")
+    result.update(args={**vars(a), "out": str(a.out)}, bf16_state_dtype=_bf16_state_dtype())
     started = time.perf_counter()
-    env = {
-        "date": _common.utc_now(),
-        "cpu": _common.cpu_model(),
-        "cores": os.cpu_count(),
-        "load_average_at_start": os.getloadavg()[0],
-        **_common.versions("torch", "transformers", "accelerate", "deepspeed", "fasttrain"),
-        "command": _common.command(),
-        "bf16_state_dtype": _bf16_state_dtype(),
-    }
     scratch = Path(tempfile.mkdtemp(prefix="bench_optimizer_memory-"))
     cells: list[dict] = []
     for world in map(int, a.worlds.split(",")):
         here = [e for e in engines if e != "fsdp2-hybrid" or world == 4]  # hybrid: the 2 x 2 mesh only
-        for family in (
-            [e for e in here if not e.startswith("zero")],
-            [e for e in here if e.startswith("zero")],
-        ):
-            if family:
+        for deepspeed in (False, True):  # one launch for torch's engines, one for DeepSpeed's
+            if family := [e for e in here if e.startswith("zero") == deepspeed]:
                 cells += launch(family, world, a, scratch)
-    env["wall_s"] = time.perf_counter() - started
-    rows = _summary(cells)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "optimizer_memory_cpu.json").write_text(
-        json.dumps({"environment": env, "args": vars(a), "summary": rows, "cells": cells}, indent=1)
-    )
-    (out / "optimizer_memory_cpu.md").write_text(_markdown(env, rows, cells, a))
-    print(f"wrote {out / 'optimizer_memory_cpu.md'}")
+    result.update(wall_s=time.perf_counter() - started, summary=_summary(cells), cells=cells)
+    _common.write(a.out, "optimizer_memory_cpu", result, TITLE, _markdown(result))
 
 
 if __name__ == "__main__":

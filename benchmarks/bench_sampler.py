@@ -1,22 +1,14 @@
 """Length-grouped sampler: transformers' path vs fasttrain's, side by side on one 1M-row datasets.Dataset.
 
-Two measurements, reference and fasttrain alternating, medians of several repetitions:
+Reference and fasttrain alternate; medians; both sides checked to give the same lengths and order first.
+Start-up: the sampler built from a ``datasets.Dataset`` with a list column ``input_ids`` and no ``length`` column
+(the Trainer's ``group_by_length``): transformers runs ``len(example["input_ids"])`` over every row, fasttrain reads
+the Arrow offsets. One epoch of indices from the same lengths and seed: ``get_length_grouped_indices`` (a list) vs
+``length_grouped_indices`` (an int64 array), the whole epoch as Python ints (``list(sampler)``), and the simplest
+numpy form of the same grouping. Writes sampler.{json,md}.
 
-- start-up: building the sampler from a ``datasets.Dataset`` with a list column ``input_ids`` and no
-  ``length`` column, which is what the Trainer does for ``train_sampling_strategy="group_by_length"``:
-  transformers' ``LengthGroupedSampler(bs, dataset=ds)`` runs ``len(example["input_ids"])`` over every row;
-  fasttrain reads the list lengths from the Arrow offsets.
-- one epoch of indices, from the same lengths and generator seed: transformers'
-  ``get_length_grouped_indices`` (a list) vs fasttrain's ``length_grouped_indices`` (an int64 array, what
-  ``LengthGroupedSampler.indices()`` returns), the permutation drawn inside both;
-  and the whole epoch as Python ints (``list(sampler)``) for both samplers.
-
-Both sides are checked to give the same lengths and the same order before anything is timed.
-Writes benchmarks/results/sampler.json and sampler.md.
-
-``--budget-only``: token-budget batches (``TokenBudgetBatchSampler``, which has no transformers counterpart),
-the Rust cut against the simplest numpy form of the same greedy cut (one ``searchsorted`` per batch) and a
-plain Python loop, on log-normal lengths (median 180, 16..1024); writes sampler_budget.json and .md.
+``--budget-only``: token-budget batches (``TokenBudgetBatchSampler``, no transformers counterpart): the Rust cut
+against the simplest numpy form and a plain Python loop, on log-normal lengths; writes sampler_budget.{json,md}.
 
     python benchmarks/bench_sampler.py            # 1M rows (about 2 minutes on 2 cores)
     python benchmarks/bench_sampler.py --rows 20000 --repeats 2 --out /tmp   # smoke run
@@ -26,10 +18,6 @@ plain Python loop, on log-normal lengths (median 180, 16..1024); writes sampler_
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import time
 from pathlib import Path
 
 import datasets
@@ -42,8 +30,6 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 import _common
 import fasttrain
 from fasttrain.data.sampler import LengthGroupedSampler, length_grouped_indices, token_budget_batches
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def build_dataset(rows: int, min_length: int, max_length: int, seed: int) -> datasets.Dataset:
@@ -102,123 +88,62 @@ def python_budget_offsets(order: list[int], lengths: list[int], budget: int) -> 
     return offsets
 
 
-def rust_budget_offsets(order: np.ndarray, lengths: np.ndarray, budget: int) -> np.ndarray:
-    return fasttrain._native.token_budget_offsets(order, lengths, budget)
-
-
-def budget_main(args: argparse.Namespace, command: str) -> None:
+def budget_main(args: argparse.Namespace) -> None:
     """Token-budget batches: Rust against the numpy form and a Python loop (same order, same cut)."""
-    load_before = os.getloadavg()
+    result = _common.new_result("sampler_budget", "numpy")
     rng = np.random.default_rng(args.seed)
     lengths = np.clip(rng.lognormal(np.log(180), 0.8, size=args.rows), 16, 1024).astype(np.int64)
     order = torch.randperm(args.rows, generator=torch.Generator().manual_seed(args.seed)).numpy()
     budget = args.max_tokens
-    rust = rust_budget_offsets(order, lengths, budget)
+    rust = fasttrain._native.token_budget_offsets(order, lengths, budget)
     assert np.array_equal(numpy_budget_offsets(order, lengths, budget), rust), "the numpy form differs"
     order_list, lengths_list = order.tolist(), lengths.tolist()
     assert python_budget_offsets(order_list, lengths_list, budget) == rust.tolist(), "the Python loop differs"
     # and the public path cuts the same batches
     assert [len(b) for b in token_budget_batches(lengths, budget, order)] == np.diff(rust).tolist()
-    numpy_times, rust_times = alternate(
-        lambda: numpy_budget_offsets(order, lengths, budget),
-        lambda: rust_budget_offsets(order, lengths, budget),
-        args.repeats,
+    ours = lambda _: fasttrain._native.token_budget_offsets(order, lengths, budget)  # noqa: E731
+    c = result["config"] = {"rows": args.rows, "max_tokens_per_batch": budget, "mean_length": float(lengths.mean()),
+                            "lengths": "log-normal, median 180, sigma 0.8, clipped to 16..1024",
+                            "batches": len(rust) - 1, "repeats": args.repeats}  # fmt: skip
+    result["numpy_form"] = side_by_side(lambda _: numpy_budget_offsets(order, lengths, budget), ours, args)
+    result["python_loop"] = side_by_side(
+        lambda _: python_budget_offsets(order_list, lengths_list, budget), ours, args
     )
-    python_times, rust_again = alternate(
-        lambda: python_budget_offsets(order_list, lengths_list, budget),
-        lambda: rust_budget_offsets(order, lengths, budget),
-        args.repeats,
-    )
-    results = {
-        "benchmark": "sampler_budget",
-        "date_utc": _common.utc_now(),
-        "command": command,
-        "machine": {
-            "cpu": _common.cpu_model(),
-            "cores": os.cpu_count(),
-            "load_average_at_start": load_before,
-        },
-        "versions": _common.versions("torch", "numpy", "fasttrain"),
-        "config": {
-            "rows": args.rows,
-            "max_tokens_per_batch": budget,
-            "lengths": "log-normal, median 180, sigma 0.8, clipped to 16..1024",
-            "mean_length": float(lengths.mean()),
-            "batches": len(rust) - 1,
-            "repeats": args.repeats,
-        },
-        "numpy_form": summary(numpy_times, rust_times, args.rows),
-        "python_loop": summary(python_times, rust_again, args.rows),
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sampler_budget.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "sampler_budget.md").write_text(budget_markdown(results))
-    print(budget_markdown(results))
-
-
-def budget_markdown(r: dict) -> str:
-    c, m, v = r["config"], r["machine"], r["versions"]
-
-    def row(name: str, d: dict) -> str:
-        return (
-            f"| {name} | {d['reference_median_s'] * 1e3:,.2f} ms | {d['fasttrain_median_s'] * 1e3:,.2f} ms "
-            f"| {d['speedup']:,.1f}x |"
-        )
-
-    return f"""# Token-budget batches: the Rust cut against numpy and plain Python
-
-{r["date_utc"]} · {m["cpu"]}, {m["cores"]} cores (load average at start {m["load_average_at_start"][0]:.2f};
-a machine shared with other work) · Python {v["python"]}, torch {v["torch"]}, numpy {v["numpy"]},
-fasttrain {v["fasttrain"]}
-
-Command: `{r["command"]}`
-
+    print(_common.write(args.out, "sampler_budget", result, "Token-budget batches: the Rust cut against numpy "
+        "and plain Python", f"""
 {c["rows"]:,} examples with {c["lengths"]} (mean {c["mean_length"]:.1f}), one `torch.randperm` order, cut
 into batches of at most {c["max_tokens_per_batch"]:,} tokens ({c["batches"]:,} batches). All three give the same
 boundaries (checked before timing). Alternating runs, garbage collector off during each; medians of {c["repeats"]}.
 
 | cut | other | Rust (`_native.token_budget_offsets`) | speed-up |
 | --- | --- | --- | --- |
-{row("simplest numpy form (one `searchsorted` per batch)", r["numpy_form"])}
-{row("plain Python loop over the examples", r["python_loop"])}
-"""
+{row("simplest numpy form (one `searchsorted` per batch)", result["numpy_form"], "", 2)}
+{row("plain Python loop over the examples", result["python_loop"], "", 2)}
+"""))  # fmt: skip
 
 
-def timed(fn):
-    """Wall time of one call, the garbage collector run before and off during it (as timeit does)."""
-    with _common.gc_paused():
-        start = time.perf_counter()
-        result = fn()
-        return time.perf_counter() - start, result
+def side_by_side(reference, ours, args, repeats: int | None = None, items: int | None = None) -> dict:
+    """Reference and fasttrain alternating; their wall times, medians, items/s and the speed-up."""
+    times = _common.alternate(repeats or args.repeats, {"reference": reference, "fasttrain": ours})
+    out = {f"{side}_s": [wall for wall, _ in t] for side, t in times.items()}
+    for side, t in times.items():
+        out[f"{side}_median_s"] = _common.median_s(t)
+        out[f"{side}_items_per_s"] = (items or args.rows) / out[f"{side}_median_s"]
+    out["speedup"] = out["reference_median_s"] / out["fasttrain_median_s"]
+    return out
 
 
-def alternate(reference, ours, repeats: int) -> tuple[list[float], list[float]]:
-    ref_times, our_times = [], []
-    for _ in range(repeats):
-        ref_times.append(timed(reference)[0])
-        our_times.append(timed(ours)[0])
-    return ref_times, our_times
+def row(name: str, d: dict, unit: str, digits: int = 1) -> str:
+    def cell(side: str, digits: int) -> str:
+        rate = f" ({d[f'{side}_items_per_s']:,.0f} {unit}/s)" if unit else ""
+        return f"{d[f'{side}_median_s'] * 1e3:,.{digits}f} ms{rate}"
 
-
-def summary(ref_times: list[float], our_times: list[float], items: int) -> dict:
-    ref, ours = statistics.median(ref_times), statistics.median(our_times)
-    return {
-        "reference_s": ref_times,
-        "fasttrain_s": our_times,
-        "reference_median_s": ref,
-        "fasttrain_median_s": ours,
-        "reference_items_per_s": items / ref,
-        "fasttrain_items_per_s": items / ours,
-        "speedup": ref / ours,
-    }
+    return f"| {name} | {cell('reference', digits)} | {cell('fasttrain', 2)} | {d['speedup']:,.1f}x |"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=1_000_000)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--min-length", type=int, default=16)
-    parser.add_argument("--max-length", type=int, default=512)
+    _common.int_options(parser, rows=1_000_000, batch_size=8, min_length=16, max_length=512, seed=0)
     parser.add_argument("--repeats", type=int, default=7, help="repetitions of the indices measurements")
     parser.add_argument(
         "--startup-repeats", type=int, default=3, help="repetitions of the start-up measurement"
@@ -229,114 +154,68 @@ def main() -> None:
         default=None,
         help="time the reference's per-row pass on the first N rows only (default: all rows)",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=_common.RESULTS)
     parser.add_argument("--budget-only", action="store_true", help="only the token-budget batches")
     parser.add_argument("--max-tokens", type=int, default=4096, help="token budget of --budget-only")
     args = parser.parse_args()
-    command = _common.command()
     if args.budget_only:
-        budget_main(args, command)
+        budget_main(args)
         return
-    load_before = os.getloadavg()
-
+    result = _common.new_result("sampler", "pyarrow", "numpy")
     ds = build_dataset(args.rows, args.min_length, args.max_length, args.seed)
     bs = args.batch_size
 
     # --- start-up: lengths from the dataset ---
     startup_ds = ds if args.startup_rows is None else ds.select(range(args.startup_rows))
     startup_rows = len(startup_ds)
-    ref_sampler = RefSampler(bs, dataset=startup_ds)
-    our_sampler = LengthGroupedSampler(bs, dataset=startup_ds)
-    assert our_sampler.lengths.tolist() == list(ref_sampler.lengths), "lengths differ"
-    ref_startup, our_startup = alternate(
-        lambda: RefSampler(bs, dataset=startup_ds),
-        lambda: LengthGroupedSampler(bs, dataset=startup_ds),
+    ours = LengthGroupedSampler(bs, dataset=startup_ds)
+    assert ours.lengths.tolist() == list(RefSampler(bs, dataset=startup_ds).lengths), "lengths differ"
+    startup = side_by_side(
+        lambda _: RefSampler(bs, dataset=startup_ds),
+        lambda _: LengthGroupedSampler(bs, dataset=startup_ds),
+        args,
         args.startup_repeats,
+        startup_rows,
     )
     # fasttrain's start-up on all rows too (it is what a user pays), when the reference ran on a subset.
-    our_full_startup = [timed(lambda: LengthGroupedSampler(bs, dataset=ds))[0] for _ in range(args.repeats)]
+    our_full_startup = _common.alternate(
+        args.repeats, {"all": lambda _: LengthGroupedSampler(bs, dataset=ds)}
+    )
 
     # --- one epoch of indices, same lengths and seed on both sides ---
     ours = LengthGroupedSampler(bs, dataset=ds, generator=torch.Generator().manual_seed(args.seed))
     ref_lengths = ours.lengths.tolist()  # what transformers' sampler holds: a list of Python ints
     ref = RefSampler(bs, lengths=ref_lengths, generator=torch.Generator().manual_seed(args.seed))
     assert list(ours) == list(ref), "orders differ"
-    n = len(ref_lengths)
-    g_ref, g_ours = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
-    ref_indices, our_indices = alternate(
-        lambda: get_length_grouped_indices(ref_lengths, bs, generator=g_ref),
-        lambda: length_grouped_indices(ours.lengths, bs, generator=g_ours),
-        args.repeats,
+    g_ref, g_ours, g_numpy = (torch.Generator().manual_seed(seed) for seed in (1, 1, 2))
+    ours_indices = lambda _: length_grouped_indices(ours.lengths, bs, generator=g_ours)  # noqa: E731
+    indices = side_by_side(
+        lambda _: get_length_grouped_indices(ref_lengths, bs, generator=g_ref), ours_indices, args
     )
-    ref_epoch, our_epoch = alternate(lambda: list(ref), lambda: list(ours), args.repeats)
-    g_numpy, g_ours = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
-    assert np.array_equal(
-        numpy_grouped_indices(ours.lengths, bs, g_numpy),
-        length_grouped_indices(ours.lengths, bs, generator=g_ours),
-    ), "the numpy form differs"
-    numpy_indices, our_indices_again = alternate(
-        lambda: numpy_grouped_indices(ours.lengths, bs, g_numpy),
-        lambda: length_grouped_indices(ours.lengths, bs, generator=g_ours),
-        args.repeats,
+    epoch = side_by_side(lambda _: list(ref), lambda _: list(ours), args)
+    g_ours.manual_seed(2)
+    assert np.array_equal(numpy_grouped_indices(ours.lengths, bs, g_numpy), ours_indices(0)), (
+        "numpy form differs"
     )
+    numpy_form = side_by_side(lambda _: numpy_grouped_indices(ours.lengths, bs, g_numpy), ours_indices, args)
 
-    results = {
-        "benchmark": "sampler",
-        "date_utc": _common.utc_now(),
-        "command": command,
-        "machine": {
-            "cpu": _common.cpu_model(),
-            "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "load_average_at_start": load_before,
-        },
-        "versions": _common.versions("torch", "transformers", "datasets", "pyarrow", "numpy", "fasttrain"),
-        "config": {
-            "rows": args.rows,
-            "startup_rows": startup_rows,
-            "batch_size": bs,
-            "length_range": [args.min_length, args.max_length],
-            "mean_length": float(ours.lengths.mean()),
-            "repeats": args.repeats,
-            "startup_repeats": args.startup_repeats,
-        },
-        "startup": summary(ref_startup, our_startup, startup_rows),
-        "startup_fasttrain_all_rows_median_s": statistics.median(our_full_startup),
-        "indices": summary(ref_indices, our_indices, n),
-        "epoch_as_python_ints": summary(ref_epoch, our_epoch, n),
-        "numpy_form": summary(numpy_indices, our_indices_again, n),
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sampler.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "sampler.md").write_text(markdown(results))
-    print(markdown(results))
-
-
-def markdown(r: dict) -> str:
-    c, m, v = r["config"], r["machine"], r["versions"]
-    s, i, e = r["startup"], r["indices"], r["epoch_as_python_ints"]
-
-    def row(name: str, d: dict, unit: str) -> str:
-        return (
-            f"| {name} | {d['reference_median_s'] * 1e3:,.1f} ms ({d['reference_items_per_s']:,.0f} {unit}/s) "
-            f"| {d['fasttrain_median_s'] * 1e3:,.2f} ms ({d['fasttrain_items_per_s']:,.0f} {unit}/s) "
-            f"| {d['speedup']:,.1f}x |"
-        )
-
+    c = result["config"] = {"rows": args.rows, "startup_rows": startup_rows, "batch_size": bs,
+                            "length_range": [args.min_length, args.max_length], "mean_length": float(ours.lengths.mean()),
+                            "repeats": args.repeats, "startup_repeats": args.startup_repeats,
+                            "torch_threads": torch.get_num_threads()}  # fmt: skip
+    result.update(
+        startup=startup,
+        startup_fasttrain_all_rows_median_s=_common.median_s(our_full_startup["all"]),
+        indices=indices,
+        epoch_as_python_ints=epoch,
+        numpy_form=numpy_form,
+    )
     subset = (
         ""
         if c["startup_rows"] == c["rows"]
         else f" The reference start-up was timed on the first {c['startup_rows']:,} rows only."
     )
-    return f"""# Length-grouped sampler: transformers vs fasttrain
-
-{r["date_utc"]} · {m["cpu"]}, {m["cores"]} cores (load average at start {m["load_average_at_start"][0]:.2f}) ·
-Python {v["python"]}, torch {v["torch"]}, transformers {v["transformers"]}, datasets {v["datasets"]},
-pyarrow {v["pyarrow"]}, numpy {v["numpy"]}, fasttrain {v["fasttrain"]}
-
-Command: `{r["command"]}`
-
+    print(_common.write(args.out, "sampler", result, "Length-grouped sampler: transformers vs fasttrain", f"""
 A `datasets.Dataset` of {c["rows"]:,} rows, list column `input_ids` with lengths uniform in
 [{c["length_range"][0]}, {c["length_range"][1]}] (mean {c["mean_length"]:.1f}), no `length` column; batch size {c["batch_size"]}.
 Reference and fasttrain alternate (garbage collector run before and off during each timed call); medians of {c["startup_repeats"]} (start-up) and {c["repeats"]} (indices) runs.
@@ -344,19 +223,19 @@ Both sides give the same lengths and the same index order (checked before timing
 
 | measurement | transformers | fasttrain | speed-up |
 | --- | --- | --- | --- |
-{row("start-up: sampler from the dataset (lengths)", s, "rows")}
-{row("one epoch of indices (list vs int64 array)", i, "indices")}
-{row("one epoch as Python ints (`list(sampler)`)", e, "indices")}
-{row("one epoch of indices: the simplest numpy form (stable argsort) vs Rust", r["numpy_form"], "indices")}
+{row("start-up: sampler from the dataset (lengths)", startup, "rows")}
+{row("one epoch of indices (list vs int64 array)", indices, "indices")}
+{row("one epoch as Python ints (`list(sampler)`)", epoch, "indices")}
+{row("one epoch of indices: the simplest numpy form (stable argsort) vs Rust", numpy_form, "indices")}
 
 - Start-up: transformers runs `len(example["input_ids"])` over every row (what the Trainer does without a
   `length` column); fasttrain reads the list lengths from the Arrow offsets. fasttrain on all {c["rows"]:,} rows:
-  {r["startup_fasttrain_all_rows_median_s"] * 1e3:.2f} ms.
+  {result["startup_fasttrain_all_rows_median_s"] * 1e3:.2f} ms.
 - Indices: the order is fixed by `torch.randperm(n, generator)`, drawn by torch on both sides; fasttrain
   groups the permutation in Rust (one thread, radix sort). The last row puts the simplest numpy form of the
   same grouping (one stable `argsort`, "transformers" column) beside the Rust one.
 - The machine is shared: see the load average above; each figure is a median of alternating runs.
-"""
+"""))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """The scripts under benchmarks/: they stand on their own module (benchmarks/_common.py) and fasttrain's public
-or data-path modules, never on the internals of the ``fasttrain bench`` command or on the tests' helpers."""
+or data-path modules; of the ``fasttrain bench`` command's package only on the modules every result shares
+(provenance, roofline), never on its internals or on the tests' helpers."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import gc
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(BENCHMARKS.glob("bench_*.py"))
+SHARED = {"fasttrain.bench.provenance", "fasttrain.bench.roofline"}  # what every result file stands on
 
 _spec = importlib.util.spec_from_file_location("_common", BENCHMARKS / "_common.py")
 common = importlib.util.module_from_spec(_spec)
@@ -36,7 +40,8 @@ def _imported_modules(path: Path) -> set[str]:
 )
 def test_no_script_imports_the_bench_command_s_internals(path):
     modules = _imported_modules(path)
-    assert not [m for m in modules if m == "fasttrain.bench" or m.startswith("fasttrain.bench.")], path
+    internals = [m for m in modules if m.startswith("fasttrain.bench.") and m not in SHARED]
+    assert not internals, f"{path} imports {internals}"
     assert "_tiny" not in modules, f"{path} imports the tests' helpers"
 
 
@@ -72,20 +77,43 @@ def test_each_script_starts():
     assert proc.stdout.count("HELP OK") == len(SCRIPTS)
 
 
-def test_provenance_helpers(monkeypatch):
-    assert common.cpu_model()
-    assert common.utc_now().endswith("+00:00")
-    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / "bench_adamw.py"), "--out", "/tmp/x y"])
-    assert common.command() == "python benchmarks/bench_adamw.py --out '/tmp/x y'"
-    versions = common.versions("pytest", "no-such-package-fasttrain")
-    assert versions["python"] and versions["pytest"] == pytest.__version__
-    assert versions["no-such-package-fasttrain"] is None
+def test_write_opens_both_files_with_the_provenance(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / "bench_sampler.py"), "--out", "/tmp/x y"])
+    result = {**common.new_result("demo", "pytest"), "figure": 1.5}
+    text = common.write(tmp_path / "out", "demo", result, "A title", ["| a |", "| 1.5 |"])
+    saved = json.loads((tmp_path / "out" / "demo.json").read_text())
+    assert saved["benchmark"] == "demo" and saved["figure"] == 1.5
+    prov = saved["provenance"]
+    assert prov["command"] == "python benchmarks/bench_sampler.py --out '/tmp/x y'"
+    assert prov["versions"]["pytest"] == pytest.__version__ and "commit" in prov
+    assert (tmp_path / "out" / "demo.md").read_text() == text
+    assert text.startswith("# A title\n\n- measured ") and text.endswith("| a |\n| 1.5 |\n")
 
 
-def test_gc_paused_turns_the_collector_back_on():
-    with common.gc_paused():
-        assert not gc.isenabled()
-    assert gc.isenabled()
+def test_alternate_calls_each_contender_in_turn_with_the_collector_off():
+    calls = []
+    contenders = {name: (lambda i, name=name: calls.append((name, i, gc.isenabled()))) for name in "ab"}
+    times = common.alternate(3, contenders)
+    assert calls == [(name, i, False) for i in range(3) for name in "ab"] and gc.isenabled()
+    assert [len(t) for t in times.values()] == [3, 3] and all(wall >= 0 for wall, _ in times["a"])
+
+
+def test_int_options_forward_the_same_values():
+    parser = argparse.ArgumentParser()
+    names = common.int_options(parser, seq_len=64, steps=1)
+    args = parser.parse_args(["--seq-len", "8"])
+    assert common.forwarded(args, names) == ["--seq-len", "8", "--steps", "1"]
+    assert parser.parse_args(common.forwarded(args, names)) == args
+
+
+def test_batch_difference_names_what_differs():
+    import torch
+
+    batch = {"input_ids": torch.tensor([[1, 2]]), "lengths": [2]}
+    assert common.batch_difference(batch, dict(batch)) is None
+    assert common.batch_difference(batch, {**batch, "lengths": [3]}) == "lengths: values differ"
+    assert "torch.int32" in common.batch_difference(batch, {**batch, "input_ids": batch["input_ids"].int()})
+    assert common.batch_difference(batch, {"input_ids": batch["input_ids"]}) is not None
 
 
 def test_word_level_tokenizer_pads_with_id_0():
