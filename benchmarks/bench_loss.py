@@ -1,35 +1,35 @@
-"""CPU benchmark: chunked fused-linear cross-entropy vs materialised logits, side by side.
+"""Benchmark: chunked fused-linear cross-entropy and TRL's fused LM head vs materialised logits, CPU or CUDA.
 
-Two cases, each measured in a fresh subprocess per run (so one run's memory cannot hide another's),
-reference and fasttrain alternating, medians over rounds:
+Cases (``--cases``), each implementation's loss + backward, the first implementation the reference:
 
-- ``loss``: loss + backward at 4,096 tokens x hidden 512 x vocab 151,936 (fp32). Reference:
-  ``logits = hidden @ weight.T`` then transformers' ``ForCausalLMLoss`` path (``.float()`` +
-  ``F.cross_entropy``); ours: ``fasttrain.fused_linear_cross_entropy`` (backend auto = PyTorch on CPU).
-- ``model``: forward + backward of a Qwen3-shaped model (hidden 256, 2 layers, vocab 151,936) on
-  4 x 1,024 tokens with labels. Reference: the unpatched transformers model; ours: the same model
-  after ``fasttrain.loss.model_patch.enable_fused_loss``.
+- ``loss``: ``--tokens`` x ``--hidden`` x vocab 151,936, every 5th label ignored. ``reference``: ``logits = hidden @
+  weight.T`` then transformers' ``ForCausalLMLoss`` path (``.float()`` + cross-entropy); ``fasttrain``:
+  ``fasttrain.fused_linear_cross_entropy``; ``torch_linear_ce``: torch's own ``F.linear_cross_entropy`` (torch 2.15+);
+  on CUDA also ``torch_compile`` (the reference under ``torch.compile``), ``liger`` (Liger's fused-linear
+  cross-entropy) and ``cce`` (cut-cross-entropy), each where it imports.
+- ``model``: forward + backward of a Qwen3-shaped model (hidden 256, 2 layers, vocab 151,936) on 4 x tokens/4, the
+  unpatched transformers model against the same after ``fasttrain.loss.model_patch.enable_fused_loss``.
+- ``head``: Qwen3-0.6B's LM head (hidden 1,024) three ways: ``gemms`` (its three GEMMs alone, each into a fresh
+  output as in a step: the floor any head stands on), ``reference`` and ``fasttrain``.
+- ``trl_sft`` / ``trl_dpo``: TRL's fused LM-head contract (``model(..., fused_lm_head=True)``) on the scored tokens:
+  ``plain`` (materialised logits, ``log_softmax``), ``trl`` (TRL's ``ChunkedLogProbFunction``: chunked torch on
+  CPU, its Triton kernel on CUDA), ``fasttrain`` (``fused_token_log_probs`` as ``trl_support`` calls it), and for
+  SFT on CUDA ``liger`` (the loss alone). ``trl_sft``: SFTTrainer's outputs (log-probs, entropy, top-1), loss
+  ``-sum(log_probs) / n``; ``trl_dpo``: DPOTrainer's (plus mean logits), the sigmoid DPO loss over 8 sequences.
 
-- ``head``: the LM head of the Qwen3-0.6B shape, loss + backward at ``--tokens`` x hidden 1,024 x vocab 151,936
-  (fp32), three ways: ``gemms`` (its three GEMMs alone: logits, the hidden states' gradient, the weight's gradient,
-  each into a fresh output as in a step: the floor any head implementation stands on), ``reference``
-  (materialised logits and transformers' loss) and ``fasttrain``.
-
-- ``trl_sft`` / ``trl_dpo``: TRL's fused LM-head contract (``model(..., fused_lm_head=True)``), loss +
-  backward at 2,048 tokens x hidden 512 x vocab 151,936 (fp32), three ways: ``plain`` (materialised logits,
-  ``log_softmax``), ``trl`` (TRL's ``ChunkedLogProbFunction``, its chunked torch path on CPU) and
-  ``fasttrain`` (``fused_token_log_probs``, as ``trl_support`` calls it). ``trl_sft``: the outputs SFTTrainer
-  asks for (log-probs, entropy, top-1) and its loss ``-sum(log_probs) / n``; ``trl_dpo``: DPOTrainer's
-  (plus mean logits) and the sigmoid DPO loss over 8 sequences (a per-sequence upstream gradient).
-
-Memory: peak RSS of the child (``ru_maxrss``) minus its RSS after imports, i.e. inputs, parameters and
-everything the step allocates. Time: median wall time of the timed steps inside a child (after one
-warm-up step), then the median over rounds.
+On CPU every run is a fresh process (one run's memory cannot hide another's); peak = the child's peak RSS minus its
+RSS after imports. On CUDA the runs share one process (a process start would dwarf the steps); peak =
+``max_memory_allocated`` above what was allocated before the run's inputs. Implementations alternate (order reversed
+every other round); time = the median of the timed steps after a warm-up (``fasttrain.bench.provenance.timed``:
+CUDA events on a GPU), then the median over rounds. '% lim' (``fasttrain.bench.roofline``): the least time the
+hardware allows, 6 N H V FLOPs for N scored tokens at the measured matmul rate or the bytes the head must move
+(hidden, weight and their gradients) at the copy rate, over the measured time. fp32 on CPU, bf16 on CUDA.
 
     python benchmarks/bench_loss.py                 # writes benchmarks/results/loss_cpu.{json,md}
     python benchmarks/bench_loss.py --rounds 1 --tokens 256   # quick look
     python benchmarks/bench_loss.py --cases trl_sft,trl_dpo --tokens 2048 --name loss_trl_cpu
     python benchmarks/bench_loss.py --cases head --tokens 460 --name head_gemms_cpu
+    python benchmarks/bench_loss.py --device cuda --cases loss --tokens 8192,16384 --budget-s 18
 """
 
 from __future__ import annotations
@@ -45,125 +45,115 @@ import time
 from pathlib import Path
 
 import _common
+from fasttrain.bench import provenance, roofline
 
-HERE = Path(__file__).resolve().parent
 VOCAB = 151_936
-# implementations per case, the first being the reference the speed-ups are taken against
+HEAD_WIDTH = 1024  # Qwen3-0.6B's hidden size
 IMPLS = {
-    "loss": ("reference", "fasttrain"),
+    "loss": ("reference", "fasttrain", "torch_linear_ce", "torch_compile", "liger", "cce"),
     "model": ("reference", "fasttrain"),
     "head": ("gemms", "reference", "fasttrain"),
-    "trl_sft": ("plain", "trl", "fasttrain"),
+    "trl_sft": ("plain", "trl", "fasttrain", "liger"),
     "trl_dpo": ("plain", "trl", "fasttrain"),
 }
+# Triton-on-CUDA libraries; torch.compile's compilation would dwarf a CPU step
+CUDA_ONLY = {"torch_compile", "liger", "cce"}
 TRL_OUTPUTS = {
     "trl_sft": ("log_probs", "entropy", "is_top1"),
     "trl_dpo": ("log_probs", "entropy", "mean_logits", "is_top1"),
 }
+DEFAULTS = {"cpu": {"hidden": 512, "tokens": "4096"}, "cuda": {"hidden": 4096, "tokens": "8192,16384"}}
+# the fused kernels' backend: auto (torch on CPU, Triton on CUDA), or Triton's interpreter where it is asked for
+BACKEND = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "auto"
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _child(case: str, impl: str, steps: int, tokens: int) -> None:
+def _inputs(tokens: int, width: int, vocab: int, device: str, dtype: str):
     import torch
 
-    torch.manual_seed(0)
-    baseline = _rss_bytes()
-    if case == "loss":
-        step = _loss_step(impl, tokens)
-    elif case == "head":
-        step = _head_step(impl, tokens)
-    elif case == "model":
-        step = _model_step(impl, tokens)
-    else:
-        step = _trl_step(case, impl, tokens)
-    times = []
-    for i in range(steps + 1):
-        t0 = time.perf_counter()
-        loss = step()
-        if i:  # the first step warms up
-            times.append(time.perf_counter() - t0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kB
-    print(json.dumps({"time_s": statistics.median(times), "peak_bytes": peak - baseline, "loss": loss}))
+    dtype = getattr(torch, dtype)
+    hidden = torch.randn(tokens, width, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.randn(vocab, width, device=device, dtype=dtype).mul_(0.02).requires_grad_()
+    return hidden, weight, torch.randint(0, vocab, (tokens,), device=device)
 
 
-def _loss_step(impl: str, tokens: int):
-    import torch
+def _reference(hidden, weight, labels):
     from transformers.loss.loss_utils import fixed_cross_entropy
 
-    from fasttrain import fused_linear_cross_entropy
+    return fixed_cross_entropy(
+        (hidden @ weight.t()).float(), labels
+    )  # what ForCausalLMLoss runs after its shift
 
-    hidden = torch.randn(tokens, 512, requires_grad=True)
-    weight = torch.randn(VOCAB, 512).mul_(0.02).requires_grad_()
-    labels = torch.randint(0, VOCAB, (tokens,))
+
+def _loss_fn(impl: str):
+    import torch
+
+    if impl == "reference":
+        return _reference
+    if impl == "fasttrain":
+        from fasttrain import fused_linear_cross_entropy
+
+        return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend=BACKEND)
+    if impl == "torch_linear_ce":
+        if not hasattr(torch.nn.functional, "linear_cross_entropy"):
+            raise ImportError(f"torch {torch.__version__} has no F.linear_cross_entropy")
+        return lambda h, w, y: torch.nn.functional.linear_cross_entropy(h, w, y, ignore_index=-100)
+    if impl == "torch_compile":
+        return torch.compile(_reference, dynamic=True)
+    if impl == "liger":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        module = LigerFusedLinearCrossEntropyLoss()
+        return lambda h, w, y: module(w, h, y)
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy
+
+
+def _loss_step(
+    impl: str, tokens: int, width: int, vocab: int = VOCAB, device: str = "cpu", dtype: str = "float32"
+):
+    hidden, weight, labels = _inputs(tokens, width, vocab, device, dtype)
     labels[::5] = -100
+    fn = _loss_fn(impl)
 
     def step() -> float:
         hidden.grad = weight.grad = None
-        if impl == "reference":
-            logits = hidden @ weight.t()
-            loss = fixed_cross_entropy(logits.float(), labels)  # what ForCausalLMLoss runs after its shift
-        else:
-            loss = fused_linear_cross_entropy(hidden, weight, labels)
+        loss = fn(hidden, weight, labels)
         loss.backward()
         return float(loss)
 
     return step
 
 
-def _head_step(impl: str, tokens: int, width: int = 1024):
+def _head_step(
+    impl: str, tokens: int, width: int = HEAD_WIDTH, vocab: int = VOCAB, device="cpu", dtype="float32"
+):
     import torch
-    from transformers.loss.loss_utils import fixed_cross_entropy
 
-    from fasttrain import fused_linear_cross_entropy
-
-    hidden = torch.randn(tokens, width, requires_grad=True)
-    weight = torch.randn(VOCAB, width).mul_(0.02).requires_grad_()
-    labels = torch.randint(0, VOCAB, (tokens,))
-    upstream = torch.randn(tokens, VOCAB).mul_(1e-6) if impl == "gemms" else None
+    if impl != "gemms":
+        return _loss_step(impl, tokens, width, vocab, device, dtype)
+    hidden, weight, _ = _inputs(tokens, width, vocab, device, dtype)
+    upstream = torch.randn(tokens, vocab, device=device, dtype=hidden.dtype).mul_(1e-6)
 
     def step() -> float:
-        hidden.grad = weight.grad = None
-        if impl == "gemms":
-            with torch.no_grad():
-                logits = hidden @ weight.t()
-                grad_hidden = upstream @ weight
-                grad_weight = upstream.t() @ hidden
-            return float(logits[0, 0] + grad_hidden[0, 0] + grad_weight[0, 0])
-        if impl == "reference":
-            loss = fixed_cross_entropy((hidden @ weight.t()).float(), labels)
-        else:
-            loss = fused_linear_cross_entropy(hidden, weight, labels)
-        loss.backward()
-        return float(loss)
+        with torch.no_grad():
+            logits, grad_hidden, grad_weight = hidden @ weight.t(), upstream @ weight, upstream.t() @ hidden
+        return float(logits[0, 0] + grad_hidden[0, 0] + grad_weight[0, 0])
 
     return step
 
 
-def _model_step(impl: str, tokens: int):
+def _model_step(impl: str, tokens: int, width: int, vocab: int = VOCAB, device="cpu", dtype="float32"):
     import torch
-    import transformers
 
     from fasttrain.loss.model_patch import enable_fused_loss
 
-    config = transformers.Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=4096,
-    )
-    model = transformers.Qwen3ForCausalLM(config).train()
+    model = _common.tiny_qwen3(vocab, 256, 2, max_position_embeddings=4096)
+    model = model.to(device, getattr(torch, dtype)).train()
     if impl == "fasttrain":
         assert enable_fused_loss(model) is None
     seq = tokens // 4
-    input_ids = torch.randint(0, VOCAB, (4, seq))
+    input_ids = torch.randint(0, vocab, (4, seq), device=device)
     labels = input_ids.clone()
     labels[:, : seq // 4] = -100
 
@@ -176,41 +166,43 @@ def _model_step(impl: str, tokens: int):
     return step
 
 
-def _trl_step(case: str, impl: str, tokens: int):
+def _trl_step(
+    case: str, impl: str, tokens: int, width: int, vocab: int = VOCAB, device="cpu", dtype="float32"
+):
     import torch
     import torch.nn.functional as F
 
     from fasttrain.loss.token_logprobs import fused_token_log_probs
 
+    if impl == "liger":  # the loss alone: Liger has no per-token log-prob head
+        return _loss_step(impl, tokens, width, vocab, device, dtype)
     outputs = TRL_OUTPUTS[case]
-    hidden = torch.randn(tokens, 512, requires_grad=True)
-    weight = torch.randn(VOCAB, 512).mul_(0.02).requires_grad_()
-    labels = torch.randint(0, VOCAB, (tokens,))  # the scored tokens only (the fused head compacts them)
-    ref_logps = torch.randn(8) * 10 - 100 * tokens / 8
+    hidden, weight, labels = _inputs(tokens, width, vocab, device, dtype)  # the scored tokens only
+    ref_logps = torch.randn(8, device=device) * 10 - 100 * tokens / 8
+    if impl == "trl":
+        from trl.kernels import ChunkedLogProbFunction
 
     def per_token():
         if impl == "plain":
-            log_p = F.log_softmax(hidden @ weight.t(), dim=-1)
+            log_p = F.log_softmax((hidden @ weight.t()).float(), dim=-1)
             with torch.no_grad():  # the metrics TRL logs
                 entropy = -(log_p.exp() * log_p).sum(-1)
-                is_top1 = log_p.argmax(-1) == labels
-            return log_p.gather(1, labels[:, None]).squeeze(1), entropy, is_top1
+            return log_p.gather(1, labels[:, None]).squeeze(1), entropy
         if impl == "trl":
-            from trl.kernels import ChunkedLogProbFunction
-
             out = ChunkedLogProbFunction.apply(hidden, weight, None, labels, 1.0, 32768, None, 1.0, outputs)
-            return out[0], out[1], out[4]
-        out = fused_token_log_probs(hidden, weight, labels, outputs=outputs, uniform_grad=case == "trl_sft")
-        return out.log_probs, out.entropy, out.is_top1
+            return out[0], out[1]
+        out = fused_token_log_probs(
+            hidden, weight, labels, outputs=outputs, uniform_grad=case == "trl_sft", backend=BACKEND
+        )
+        return out.log_probs, out.entropy
 
     def step() -> float:
         hidden.grad = weight.grad = None
-        log_probs, entropy, _ = per_token()
+        log_probs, entropy = per_token()
         if case == "trl_sft":
-            loss = -log_probs.sum() / tokens
+            loss = -log_probs.float().sum() / tokens
         else:  # sigmoid DPO over 8 sequences: 4 chosen, 4 rejected
-            ratios = log_probs.reshape(8, -1).sum(1) - ref_logps
-            chosen, rejected = ratios.chunk(2)
+            chosen, rejected = (log_probs.float().reshape(8, -1).sum(1) - ref_logps).chunk(2)
             loss = -F.logsigmoid(0.1 * (chosen - rejected)).mean()
         loss.backward()
         return float(loss) + 0.0 * float(entropy.sum())
@@ -218,18 +210,62 @@ def _trl_step(case: str, impl: str, tokens: int):
     return step
 
 
-def _run_child(case: str, impl: str, steps: int, tokens: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", case, impl, "--steps", str(steps), "--tokens", str(tokens)]
+def measure(case: str, impl: str, tokens: int, args) -> dict:
+    """One run: build the case, one warm-up step, ``args.steps`` timed steps; time, peak memory and loss."""
+    import torch
+
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        with open("/proc/self/statm") as f:
+            base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    torch.manual_seed(0)
+    width = HEAD_WIDTH if case == "head" else args.hidden
+    shape = (tokens, width, args.vocab, args.device, args.dtype)
+    if case.startswith("trl_"):
+        step = _trl_step(case, impl, *shape)
+    else:
+        step = {"loss": _loss_step, "head": _head_step, "model": _model_step}[case](impl, *shape)
+    loss = step()
+    times = [provenance.timed(step, args.device) for _ in range(args.steps)]
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if cuda
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    return {"time_s": statistics.median(times), "peak_bytes": peak - base, "loss": loss}
+
+
+def run(case: str, impl: str, tokens: int, args) -> dict:
+    """One run, in a fresh process on CPU; on CUDA in this one. An implementation that does not import: skipped."""
+    if args.device == "cuda":
+        try:
+            return measure(case, impl, tokens, args)
+        except ImportError as exc:
+            return {"skipped": str(exc)}
+    settings = [f"--{k}={getattr(args, k)}" for k in ("steps", "hidden", "vocab", "dtype", "device")]
+    cmd = [sys.executable, __file__, "--child", case, impl, f"--tokens={tokens}", *settings]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{case}/{impl} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _machine() -> dict:
-    import torch
+def _child(case: str, impl: str, args) -> None:
+    try:
+        print(json.dumps(measure(case, impl, args.tokens[0], args)))
+    except ImportError as exc:
+        print(json.dumps({"skipped": str(exc)}))
 
-    return {"cpu": _common.cpu_model(), "cores": os.cpu_count(), "threads_used": torch.get_num_threads()}
+
+def _cost(case: str, tokens: int, width: int, vocab: int, dtype_bytes: int) -> dict:
+    """What the head's loss + backward must do at least: FLOPs of its three matmuls over the scored tokens, and
+    the bytes of hidden, weight and their gradients (the logits never need to exist)."""
+    scored = tokens - len(range(0, tokens, 5)) if case == "loss" else tokens
+    return {"flops": 6.0 * scored * width * vocab, "moved": 2.0 * (tokens + vocab) * width * dtype_bytes}
 
 
 def main() -> None:
@@ -237,133 +273,87 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--child", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
+    parser.add_argument("--cases", default="loss,model", help="comma list of " + ", ".join(IMPLS))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per run (after one warm-up)")
+    parser.add_argument("--tokens", help="comma list (default: 4096 on CPU, 8192,16384 on CUDA)")
     parser.add_argument(
-        "--cases", default="loss,model", help="comma-separated: loss, model, head, trl_sft, trl_dpo"
+        "--hidden", type=int, help="hidden size of the loss and TRL cases (512 CPU, 4096 CUDA)"
     )
-    parser.add_argument("--rounds", type=int, default=3, help="alternating reference/fasttrain rounds")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per child (after one warm-up)")
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--name", default="loss_cpu")
+    parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--dtype", help="float32 on CPU, bfloat16 on CUDA by default")
+    parser.add_argument("--budget-s", type=float, default=float("inf"), help="no new run starts after this")
+    parser.add_argument("--out", type=Path, default=_common.RESULTS)
+    parser.add_argument("--name", help="results file stem (default: loss_DEVICE)")
     args = parser.parse_args()
+    args.tokens = [int(t) for t in (args.tokens or DEFAULTS[args.device]["tokens"]).split(",")]
+    args.hidden = args.hidden or DEFAULTS[args.device]["hidden"]
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.child:
-        _child(args.child[0], args.child[1], args.steps, args.tokens)
-        return
-
-    results = {}
+        return _child(*args.child, args)
+    deadline = time.monotonic() + args.budget_s
+    result = _common.new_result(f"loss_{args.device}", "liger-kernel", "cut-cross-entropy")
+    result["limits"] = limits = roofline.measure_limits(args.device)
+    keys = ("device", "rounds", "steps", "tokens", "hidden", "vocab", "dtype")
+    result["settings"] = {k: getattr(args, k) for k in keys}
+    result["results"] = []
+    stem, title = args.name or f"loss_{args.device}", f"Fused LM-head losses, {args.device}"
     for case in args.cases.split(","):
-        impls = IMPLS[case]
-        runs: dict[str, list[dict]] = {impl: [] for impl in impls}
-        for r in range(args.rounds):
-            order = impls if r % 2 == 0 else impls[::-1]
-            for impl in order:
-                res = _run_child(case, impl, args.steps, args.tokens)
-                runs[impl].append(res)
-                print(f"[{case}] round {r} {impl}: {res}", file=sys.stderr)
-        summary = {}
-        for impl, rs in runs.items():
-            summary[impl] = {
-                "time_s": statistics.median(x["time_s"] for x in rs),
-                "peak_mib": statistics.median(x["peak_bytes"] for x in rs) / 2**20,
-                "loss": rs[0]["loss"],
-                "runs": rs,
-            }
-        ours = summary["fasttrain"]
-        for impl in impls[:-1]:  # fasttrain against each other implementation
-            suffix = "" if len(impls) == 2 else f"_vs_{impl}"
-            summary[f"memory_ratio{suffix}"] = summary[impl]["peak_mib"] / ours["peak_mib"]
-            summary[f"speedup{suffix}"] = summary[impl]["time_s"] / ours["time_s"]
-        results[case] = summary
-
-    record = {
-        "date": _common.utc_now(),
-        "command": _common.command(),
-        "machine": _machine(),
-        "versions": _common.versions("torch", "transformers", "fasttrain", "trl"),
-        "settings": {"rounds": args.rounds, "steps": args.steps, "tokens": args.tokens, "vocab": VOCAB},
-        "results": results,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(record, indent=2) + "\n")
-    (args.out / f"{args.name}.md").write_text(_markdown(record))
-    print(_markdown(record))
+        impls = [i for i in IMPLS[case] if args.device == "cuda" or i not in CUDA_ONLY]
+        for tokens in args.tokens:
+            runs: dict[str, list[dict]] = {impl: [] for impl in impls}
+            for r in range(args.rounds):
+                for impl in impls if r % 2 == 0 else impls[::-1]:
+                    if time.monotonic() < deadline:
+                        runs[impl].append(run(case, impl, tokens, args))
+                        print(f"[{case} {tokens}] round {r} {impl}: {runs[impl][-1]}", file=sys.stderr)
+            width = HEAD_WIDTH if case == "head" else args.hidden
+            cost = _cost(case, tokens, width, args.vocab, 2 if args.dtype == "bfloat16" else 4)
+            impls_done = _summary(runs, limits, cost, case)
+            result["results"].append({"case": case, "tokens": tokens, "impls": impls_done})
+            _common.write(
+                args.out, stem, result, title, _markdown(result)
+            )  # a run cut short keeps what it did
 
 
-CASE_TITLES = {
-    "loss": "loss + backward, {tokens} tokens x hidden 512 x vocab 151,936 (fp32)",
-    "model": "Qwen3-shaped model (hidden 256, 2 layers, vocab 151,936), 4 x {seq} tokens, forward + backward (fp32)",
-    "head": "LM head of the Qwen3-0.6B shape, loss + backward, {tokens} tokens x 1,024 x 151,936 (fp32)",
-    "trl_sft": "TRL SFT head (log-probs, entropy, top-1; -sum/n), {tokens} tokens x 512 x 151,936 (fp32)",
-    "trl_dpo": "TRL DPO head (+ mean logits; sigmoid loss, 8 sequences), {tokens} tokens x 512 x 151,936 (fp32)",
-}
+def _summary(runs: dict[str, list[dict]], limits: dict, cost: dict, case: str) -> dict:
+    out = {}
+    for impl, rs in runs.items():
+        done = [r for r in rs if "time_s" in r]
+        if not done:
+            out[impl] = {"skipped": rs[0]["skipped"] if rs else "time budget"}
+            continue
+        time_s = statistics.median(r["time_s"] for r in done)
+        out[impl] = {"time_s": time_s, "peak_mib": statistics.median(r["peak_bytes"] for r in done) / 2**20,
+                     "loss": done[0]["loss"], "runs": done,
+                     "percent_of_limit": None if case == "model" else roofline.kernel_percent(time_s, limits, **cost)}  # fmt: skip
+    return out
 
 
-def _markdown(record: dict) -> str:
-    s = record["settings"]
-    cases = record["results"]
+def _markdown(result: dict) -> list[str]:
+    lim = result["limits"]
     lines = [
-        "# Fused-linear cross-entropy and TRL's fused LM head on CPU",
+        f"- settings: {result['settings']}; implementations alternating, medians (see the script's docstring)",
+        f"- '% lim': against {lim['matmul_flops_per_s'] / 1e12:,.3g} TFLOP/s ({lim['measured']}) and "
+        f"{lim['copy_bytes_per_s'] / 1e9:,.1f} GB/s ({lim['copy_measured']})",
+        "- speed-up = its time / fasttrain's (below 1: fasttrain is slower); memory = its peak / fasttrain's",
         "",
-        f"- date: {record['date']}",
-        f"- machine: {record['machine']['cpu']}, {record['machine']['cores']} cores "
-        f"({record['machine']['threads_used']} torch threads)",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()),
-        f"- command: `{record['command']}`",
-        f"- method: each run in its own process, implementations alternating (order reversed every other round), "
-        f"{s['rounds']} rounds x {s['steps']} timed steps (after a warm-up); medians. Peak = child's peak RSS "
-        "minus its RSS after imports.",
-        "",
+        "| case | tokens | implementation | time | peak | % lim | fasttrain's speed-up | fasttrain's memory ratio | loss |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    pairs = {c: r for c, r in cases.items() if len(IMPLS[c]) == 2}
-    if pairs:
-        lines += [
-            "| case | reference peak | fasttrain peak | memory ratio | reference time | fasttrain time | speed-up |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for case, r in pairs.items():
-            title = CASE_TITLES.get(case, case).format(tokens=s["tokens"], seq=s["tokens"] // 4)
-            lines.append(
-                f"| {title} | {r['reference']['peak_mib']:,.0f} MiB | {r['fasttrain']['peak_mib']:,.0f} MiB | "
-                f"{r['memory_ratio']:.1f}x | {r['reference']['time_s']:.2f} s | {r['fasttrain']['time_s']:.2f} s | "
-                f"{r['speedup']:.2f}x |"
-            )
-        lines.append("")
-    if "head" in cases:
-        r = cases["head"]
-        lines += [
-            "| case | its three GEMMs alone | reference (materialised logits) | fasttrain | fasttrain / GEMMs |",
-            "| --- | ---: | ---: | ---: | ---: |",
-            f"| {CASE_TITLES['head'].format(tokens=s['tokens'])} | "
-            + " | ".join(f"{r[i]['time_s']:.2f} s, {r[i]['peak_mib']:,.0f} MiB" for i in IMPLS["head"])
-            + f" | {r['fasttrain']['time_s'] / r['gemms']['time_s']:.2f}x |",
-            "",
-        ]
-    triples = {c: r for c, r in cases.items() if len(IMPLS[c]) == 3 and c != "head"}
-    if triples:
-        lines += [
-            "| case | plain logits | TRL chunked | fasttrain | speed-up vs TRL | memory ratio vs TRL "
-            "| speed-up vs plain | memory ratio vs plain |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for case, r in triples.items():
-            title = CASE_TITLES.get(case, case).format(tokens=s["tokens"], seq=s["tokens"] // 4)
-            cells = [f"{r[i]['time_s']:.2f} s, {r[i]['peak_mib']:,.0f} MiB" for i in IMPLS[case]]
-            lines.append(
-                f"| {title} | {' | '.join(cells)} | {r['speedup_vs_trl']:.2f}x | {r['memory_ratio_vs_trl']:.1f}x "
-                f"| {r['speedup_vs_plain']:.2f}x | {r['memory_ratio_vs_plain']:.1f}x |"
-            )
-        lines.append("")
-    lines += [
-        "Speed-up = their time / fasttrain's (below 1: fasttrain is slower); memory ratio = their peak / "
-        "fasttrain's.",
-        "",
-        "Losses (first run): "
-        + "; ".join(
-            f"{c}: " + ", ".join(f"{i} {r[i]['loss']:.6f}" for i in IMPLS[c]) for c, r in cases.items()
-        ),
-        "",
-    ]
-    return "\n".join(lines)
+    for r in result["results"]:
+        ours = r["impls"]["fasttrain"]
+        for impl, x in r["impls"].items():
+            if "time_s" not in x:
+                lines.append(f"| {r['case']} | {r['tokens']} | {impl} | skipped: {x['skipped']} |")
+                continue
+            pct = "n/a" if x["percent_of_limit"] is None else f"{x['percent_of_limit']:.2g}%"
+            vs = ("", "") if impl == "fasttrain" or "time_s" not in ours else (
+                f"{x['time_s'] / ours['time_s']:.2f}x", f"{x['peak_mib'] / ours['peak_mib']:.1f}x")  # fmt: skip
+            lines.append(f"| {r['case']} | {r['tokens']} | {impl} | {x['time_s']:.3f} s | {x['peak_mib']:,.0f} MiB "
+                         f"| {pct} | {vs[0]} | {vs[1]} | {x['loss']:.6f} |")  # fmt: skip
+    return lines
 
 
 if __name__ == "__main__":

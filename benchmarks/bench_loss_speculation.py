@@ -17,23 +17,20 @@ over speculation; > 1: the speculation wins), and whether the two gradients are 
     python benchmarks/bench_loss_speculation.py          # writes benchmarks/results/loss_speculation_cpu.{json,md}
     python benchmarks/bench_loss_speculation.py --tokens 256 --reps 2   # quick look
     python benchmarks/bench_loss_speculation.py --device cuda --tokens 8192 --hidden 2048 --vocab 151936 \
-        --reps 6 --name loss_speculation_gpu --out DIR  # benchmarks/gpu/run.sh's speculation step (Triton kernels)
+        --reps 6 --out DIR   # benchmarks/gpu/run.sh's speculation step (Triton kernels): DIR/loss_speculation_cuda.*
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 import _common
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from fasttrain.bench import provenance
 
 
 def _inputs(tokens: int, hidden: int, vocab: int, frozen: bool, device: str):
@@ -66,19 +63,19 @@ def _measure(case: str, dtype: str, args) -> dict:
     h, w, labels = _inputs(args.tokens, args.hidden, args.vocab, case == "frozen_head", args.device)
     bf16 = torch.autocast(args.device, dtype=torch.bfloat16)
     autocast = bf16 if dtype == "bf16" else contextlib.nullcontext()
-    sync = torch.cuda.synchronize if args.device == "cuda" else lambda: None
     times: dict[bool, list[float]] = {True: [], False: []}
     grads: dict[bool, torch.Tensor] = {}
     for rep in range(args.reps + 1):  # the first round warms up
         for speculate in (True, False) if rep % 2 else (False, True):
             h.grad = w.grad = None
-            sync()
-            start = time.perf_counter()
-            with autocast:
-                _step("ce" if case == "ce" else "trl_sft", speculate, h, w, labels)
-            sync()
+
+            def step(speculate=speculate):
+                with autocast:
+                    _step("ce" if case == "ce" else "trl_sft", speculate, h, w, labels)
+
+            seconds = provenance.timed(step, args.device)
             if rep:
-                times[speculate].append(time.perf_counter() - start)
+                times[speculate].append(seconds)
             grads[speculate] = h.grad.clone()
     spec, exact = (statistics.median(times[s]) for s in (True, False))
     return {
@@ -98,30 +95,20 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32_000)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--name", default="loss_speculation_cpu")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for NAME.json and NAME.md")
+    parser.add_argument("--name", help="results file stem (default: loss_speculation_DEVICE)")
+    parser.add_argument("--out", type=Path, default=_common.RESULTS, help="folder for NAME.json and NAME.md")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     rows = [
         _measure(case, dtype, args) for case in ("ce", "trl_sft", "frozen_head") for dtype in ("fp32", "bf16")
     ]
-    meta = {
-        "date": _common.utc_now(),
-        "command": _common.command(),
-        "hardware": torch.cuda.get_device_name()
-        if args.device == "cuda"
-        else f"{_common.cpu_model()}, {torch.get_num_threads()} torch threads",
-        "versions": _common.versions("torch", "transformers"),
-        "shape": {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "ignored": "1 in 5"},
-        "reps": args.reps,
-    }  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    lines = [
-        f"# Chunked-head speculation vs exact recompute ({args.device})",
-        "",
-        *(f"- {k}: {v}" for k, v in meta.items()),
+    result = _common.new_result(f"loss_speculation_{args.device}")
+    result["settings"] = {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "reps": args.reps,
+                          "ignored": "1 label in 5"}  # fmt: skip
+    result["rows"] = rows
+    body = [
+        f"- settings: {result['settings']}",
         "",
         "| case | dtype | speculation (s) | recompute (s) | recompute / speculation | hidden grad bitwise equal |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -131,8 +118,8 @@ def main() -> None:
             for r in rows
         ),
     ]
-    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    title = f"Chunked-head speculation vs exact recompute ({args.device})"
+    _common.write(args.out, args.name or f"loss_speculation_{args.device}", result, title, body)
 
 
 if __name__ == "__main__":

@@ -1,266 +1,155 @@
 #!/usr/bin/env bash
-# The GPU proof in one command, on a Linux machine with one NVIDIA GPU (tested target: H200) that may have no
-# network and no Rust toolchain: install the wheels benchmarks/gpu/prepare.sh put in .whl/, then correctness
-# first, then speed, every step under its own time cap (timeout). The caps are the script's time budget: a
-# whole run is designed to take under 10 minutes on one H200 (--budget prints the sum; benchmarks/gpu/README.md
-# explains each cap). A step that fails or hits its cap is recorded and the rest still run.
+# The GPU proof in one call, on a Linux machine with one NVIDIA GPU (tested target: H200) that may have no network
+# and no Rust: install the wheels prepare.sh put in .whl/, record the provenance, run the tests marked `cuda`
+# compiled on the GPU, the kernel benchmarks (--device cuda) and the trainings (`fasttrain bench --preset gpu-*`).
+# Every step runs under its own cap (timeout); one that fails or hits its cap is recorded and the rest still run.
 #
-#   bash benchmarks/gpu/run.sh [--out DIR] [--smoke] [--archive FILE.tar.gz] [--wheels DIR]
-#                              [--only STEP,...] [--skip STEP,...]
-#   bash benchmarks/gpu/run.sh --budget [--smoke]
+#   bash benchmarks/gpu/run.sh --out DIR [--archive FILE.tar.gz] [--smoke] [--wheels DIR] [--budget]
 #
-#   --out DIR        results, logs, versions and commands (default: benchmarks/results/gpu)
-#   --smoke          the same steps on CPU at tiny sizes (Triton in its interpreter): proves the run goes through
-#   --archive FILE   also pack DIR into FILE (.tar.gz) after every step: one file to copy back, and it holds
-#                    what finished even if the run is interrupted
-#   --wheels DIR     the wheels to install (default: .whl, from prepare.sh); installed with pip --no-index
-#                    --no-deps into their own folder, first on PYTHONPATH. Without it, the current environment
-#                    is used as it is.
-#   --only STEPS     run only these steps (comma list; install, when there are wheels, and summary always run);
-#                    DIR keeps the other steps' lines and results, so a rerun of failed steps completes a run
-#   --skip STEPS     run every step but these. An unknown step name fails at once, listing the valid ones.
-#   --budget         print the caps of the steps that would run, plus the kill grace, and their sum; fail if the
-#                    sum passes 570 s (GPU caps); runs nothing
+#   --smoke    the same steps on CPU at tiny sizes (Triton interpreted, the tests only collected), plus `compile`
+#              (every kernel compiled for sm_90 by this Python's Triton); the kernel and training lanes side by side
+#   --archive  DIR packed into FILE after every step: what finished survives an interrupted run
+#   --wheels   the wheels to install (default .whl; without that folder the current environment is used as it is)
+#   --budget   print the caps (each plus the kill grace) and their sum; fail if a GPU run's passes 570 s
 #
-# Steps: install (the wheels of --wheels), environment (GPU, versions, origins; fails if fasttrain, trl, ... do not
-# import), hardware (the copy bandwidth and matmul throughput the rooflines divide by), compile (--smoke only:
-# every kernel compiled for sm_90 by this Python's Triton, the GPU machine's in CI's replica), kernels (pytest
-# of .ci/suites' KERNEL_TESTS, compiled for the GPU; with --smoke collected only),
-# parity (fasttrain.Trainer vs transformers.Trainer, fp32 and bf16), adamw and loss (the kernel benchmarks),
-# loss-speculation (the chunked head's speculation vs the exact recompute), e2e (`fasttrain bench --device cuda`),
-# packing (the same on log-normal lengths: packed vs padded), trl-sft and trl-dpo (`fasttrain bench --trainer
-# sft|dpo`), grpo (GRPO's training phase on synthetic completions: `fasttrain bench --trainer grpo --completions
-# synthetic`), summary.
-# DIR/steps.tsv has one line per step; DIR/logs/STEP.log its output; DIR/commands.txt every command run;
-# DIR/summary.md the table printed last. Exit status: 0 when every step passed, else 1.
+# DIR gets steps.tsv (step, status, seconds, cap), logs/STEP.log, provenance.json and each step's results; the
+# table of steps is printed last. Exit status 1 if a step failed or timed out.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
+command_line="bash benchmarks/gpu/run.sh $*"
 
-out=benchmarks/results/gpu
-smoke=0
-archive=
-wheels=.whl
-only=
-skip=
-only_given=0
-skip_given=0
-budget=0
+out=benchmarks/results/gpu archive= wheels=.whl smoke=0 budget=0
 while [ $# -gt 0 ]; do
     case "$1" in
-        --out) out="$2"; shift 2 ;;
-        --out=*) out="${1#--out=}"; shift ;;
+        --out | --archive | --wheels)
+            [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }
+            declare "${1#--}=$2"
+            shift 2 ;;
         --smoke) smoke=1; shift ;;
-        --archive) archive="$2"; shift 2 ;;
-        --archive=*) archive="${1#--archive=}"; shift ;;
-        --wheels) wheels="$2"; shift 2 ;;
-        --wheels=*) wheels="${1#--wheels=}"; shift ;;
-        --only) only="${2-}"; only_given=1; shift; [ $# -gt 0 ] && shift ;;
-        --only=*) only="${1#--only=}"; only_given=1; shift ;;
-        --skip) skip="${2-}"; skip_given=1; shift; [ $# -gt 0 ] && shift ;;
-        --skip=*) skip="${1#--skip=}"; skip_given=1; shift ;;
         --budget) budget=1; shift ;;
-        -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
-        *) echo "run.sh: unknown option $1 (use --out DIR, --smoke, --archive FILE, --wheels DIR, --only STEPS," \
-               "--skip STEPS, --budget)" >&2; exit 2 ;;
+        -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
+        *) echo "run.sh: unknown option $1 (--out DIR, --archive FILE, --smoke, --wheels DIR, --budget)" >&2; exit 2 ;;
     esac
 done
 
-# The steps in the order they run. compile checks on CPU what the GPU's kernels step does for real.
-if [ "$smoke" = 1 ]; then
-    steps=(install environment hardware compile kernels parity adamw loss loss-trl loss-speculation e2e packing trl-sft
-           trl-dpo grpo summary)
-else
-    steps=(install environment hardware kernels parity adamw loss loss-trl loss-speculation e2e packing trl-sft trl-dpo
-           grpo summary)
-fi
-# Time caps in seconds, GPU run then --smoke (2 shared CPU cores, the interpreter). Each capped step gets
-# kill_grace more seconds to exit after SIGTERM before SIGKILL. The design budget: the GPU caps plus the graces
-# add up to at most max_total, 570 s (--budget checks it, and tests/test_gpu_run_options.py runs that check in
-# CI), so that a whole run, interpreter start-up and archiving included, ends within 10 minutes.
-# benchmarks/gpu/README.md explains each cap. The benchmark scripts get their own, shorter budgets below so
-# they write their results before the cap.
-kill_grace=5
-max_total=570
-# grpo's 50 s came from steps that keep what they measured when cut short (README: "Where grpo's time came from").
-declare -A cap_gpu=([install]=10 [environment]=10 [hardware]=10 [kernels]=85 [parity]=40 [adamw]=35 [loss]=30
-                    [loss-trl]=30 [loss-speculation]=15 [e2e]=65 [packing]=50 [trl-sft]=30 [trl-dpo]=30 [grpo]=50
-                    [summary]=5)
-declare -A cap_smoke=([install]=60 [environment]=120 [hardware]=60 [compile]=300 [kernels]=900 [parity]=300
-                      [adamw]=300 [loss]=300 [loss-trl]=300 [loss-speculation]=120 [e2e]=400 [packing]=400
-                      [trl-sft]=300 [trl-dpo]=300 [grpo]=300 [summary]=60)
-
-# --only / --skip: comma lists of step names, checked before anything runs
-declare -A selected=()
-check_names() {  # check_names OPTION LIST: every name in LIST is a step, else exit 2 naming the valid ones
-    local option=$1 name known
-    local -a names
-    IFS=, read -r -a names <<< "$2"
-    [ "${#names[@]}" -gt 0 ] || { echo "run.sh: $option needs STEP,...; valid steps: $(IFS=,; echo "${steps[*]}")" >&2; exit 2; }
-    for name in "${names[@]}"; do
-        known=0
-        for step_name in "${steps[@]}"; do [ "$name" = "$step_name" ] && known=1; done
-        if [ "$known" = 0 ]; then
-            echo "run.sh: $option: unknown step '$name'; valid steps: $(IFS=,; echo "${steps[*]}")" >&2
-            exit 2
-        fi
-    done
-}
-for name in "${steps[@]}"; do selected[$name]=1; done
-if [ "$only_given" = 1 ]; then
-    check_names --only "$only"
-    for name in "${steps[@]}"; do selected[$name]=0; done
-    IFS=, read -r -a names <<< "$only"
-    for name in "${names[@]}" install summary; do selected[$name]=1; done
-fi
-if [ "$skip_given" = 1 ]; then
-    check_names --skip "$skip"
-    IFS=, read -r -a names <<< "$skip"
-    for name in "${names[@]}"; do selected[$name]=0; done
-fi
+# Caps in seconds: on one H200, then --smoke (2 shared CPU cores, Triton interpreted). On the GPU the caps plus a
+# 5 s kill grace each add up to at most 570 s, so that a run with its start-up and archiving ends within 10 minutes.
+# The benchmarks get budgets below that stop them starting new work before their cap, and `fasttrain bench` writes
+# its results after every run: a step cut short keeps what it finished.
+grace=5
+declare -A cap=()
+steps=()
+while read -r name gpu_cap smoke_cap; do
+    [ "$smoke" = 1 ] && cap[$name]=$smoke_cap || cap[$name]=$gpu_cap
+    [ "${cap[$name]}" = - ] || steps+=("$name")
+done <<'EOF'
+install          10   60
+provenance       20   60
+tests           140  300
+compile           -  300
+adamw            35  300
+loss             30  450
+loss-trl         30  450
+loss-speculation 15  120
+gpu-e2e          65  400
+gpu-packing      50  400
+gpu-sft          30  300
+gpu-dpo          30  300
+gpu-grpo         50  300
+EOF
+# tests: Triton compiles each kernel variant once, four at a time; the tests themselves take seconds on the GPU.
+# gpu-e2e: 3 contenders x 2 repetitions, each a process (start, set-up, compilation, 8 steps); gpu-packing 3 x 1.
 
 if [ "$budget" = 1 ]; then
     total=0
     for name in "${steps[@]}"; do
-        [ "${selected[$name]}" = 1 ] || continue
-        if [ "$smoke" = 1 ]; then cap=${cap_smoke[$name]-}; else cap=${cap_gpu[$name]-}; fi
-        [ -n "$cap" ] || { echo "run.sh: step $name has no cap" >&2; exit 1; }
-        total=$(( total + cap + kill_grace ))
-        printf '%-12s %4d s + %d s grace\n' "$name" "$cap" "$kill_grace"
+        printf '%-17s %4d s + %d s grace\n' "$name" "${cap[$name]}" "$grace"
+        total=$((total + cap[$name] + grace))
     done
-    printf 'total        %4d s (limit %d s)\n' "$total" "$max_total"
-    [ "$smoke" = 1 ] || [ "$total" -le "$max_total" ] || { echo "run.sh: the caps pass $max_total s" >&2; exit 1; }
-    exit 0
+    printf 'total             %4d s (limit 570 s)\n' "$total"
+    [ "$smoke" = 1 ] || [ "$total" -le 570 ]
+    exit
 fi
 
-python=${PYTHON:-python3}
+python=${PYTHON:-python3}  # the GPU machine has python3, not python
 export PYTHON=$python HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-site=${FASTTRAIN_SITE:-${TMPDIR:-/tmp}/fasttrain-gpu-site}
-source .ci/suites
-listing=$(suite KERNEL_TESTS) || { echo "[gpu] KERNEL_TESTS names a missing file" >&2; exit 2; }
-mapfile -t kernel_tests <<< "$listing"
-
+mkdir -p "$out/logs"
+: > "$out/steps.tsv"
 if [ "$smoke" = 1 ]; then
     export TRITON_INTERPRET=1
-    smoke_flag=(--smoke)
-    kernel_markers="not slow and not distributed"
-    adamw_args=()
-    loss_args=()
-    loss_trl_args=()
-    speculation_args=(--device cpu --tokens 64 --hidden 32 --vocab 512 --reps 1 --name loss_speculation_smoke)
+    preset=(--smoke)
+    adamw=(--device cpu --models tiny --dtypes bfloat16 --grad-norms 5 --reps 1 --warmup 0)  # bf16: every mode
+    loss=(--device cpu --tokens 64 --hidden 32 --vocab 1000 --rounds 1 --steps 1)
+    speculation=(--device cpu --tokens 64 --hidden 32 --vocab 512 --reps 1)
 else
-    smoke_flag=()
-    # Compiled on the GPU, the slow-marked shapes (vocabulary over 65,536, ...) are quick: run them.
-    kernel_markers="not distributed"
-    # The kernel benchmarks' own sizes, trimmed to their caps (their scripts say what each option does).
-    adamw_args=(--models "gpt2-124M,llama3.2-1B" --reps 7 --time-cap 23)
-    loss_args=(--tokens "8192,16384" --budget-s 18)
-    loss_trl_args=(--tokens "8192" --budget-s 18)
-    # Qwen3-0.6B's head (hidden 2,048, vocabulary 151,936) on 8,192 tokens: 6 cases x 7 rounds x 2 ways.
-    speculation_args=(--device cuda --tokens 8192 --hidden 2048 --vocab 151936 --reps 6 --name loss_speculation_gpu)
+    preset=()
+    adamw=(--device cuda --models gpt2-124M,llama3.2-1B --reps 7 --time-cap 23)
+    loss=(--device cuda --tokens 8192,16384 --budget-s 18)
+    speculation=(--device cuda --tokens 8192 --hidden 2048 --vocab 151936 --reps 6)  # Qwen3-1.7B's head
 fi
 
-mkdir -p "$out/logs"
-[ -d "$wheels" ] || selected[install]=0  # nothing to install: its line from an earlier run stays
-if [ "$only_given$skip_given" != 00 ] && [ -f "$out/steps.tsv" ]; then
-    # a partial run (a rerun of failed steps, say): keep the lines of the steps it does not run
-    kept=$(awk -F'\t' -v run="$(for n in "${steps[@]}"; do [ "${selected[$n]}" = 1 ] && printf '%s,' "$n"; done)" \
-        'BEGIN { split(run, r, ","); for (i in r) want[r[i]] = 1 } !($1 in want)' "$out/steps.tsv")
-    printf '%s' "${kept:+$kept$'\n'}" > "$out/steps.tsv"
-else
-    : > "$out/steps.tsv"
-    : > "$out/commands.txt"
-fi
-started=$(date +%s)
-failed=0
-
-pack() {
-    [ -n "$archive" ] || return 0
-    mkdir -p "$(dirname "$archive")"
-    tar -czf "$archive.partial" -C "$(dirname "$out")" "$(basename "$out")" && mv "$archive.partial" "$archive"
-}
-
-# step NAME COMMAND...: run COMMAND under NAME's cap, log it, record status and time; never stop the run.
-# A step --only/--skip leaves out is not run and leaves no line.
-step() {
-    local name=$1; shift
-    [ "${selected[$name]}" = 1 ] || return 0
-    local cap
-    if [ "$smoke" = 1 ]; then cap=${cap_smoke[$name]}; else cap=${cap_gpu[$name]}; fi
-    local log=$out/logs/$name.log t0 rc status
-    printf '%s\t%s\n' "$name" "$*" >> "$out/commands.txt"
-    echo "[run.sh] $name (cap ${cap}s): $*" >&2
-    t0=$(date +%s)
-    timeout -k "$kill_grace" "$cap" "$@" > "$log" 2>&1
+step() {  # step NAME COMMAND...: COMMAND under NAME's cap, logged, one line in steps.tsv; never stops the run
+    local name=$1 t0=$SECONDS rc status
+    shift
+    echo "[run.sh] $name (cap ${cap[$name]} s): $*" >&2
+    timeout -k "$grace" "${cap[$name]}" "$@" > "$out/logs/$name.log" 2>&1
     rc=$?
     case $rc in
         0) status=ok ;;
-        124|137) status="TIMEOUT after ${cap}s" ;;
+        124 | 137) status="TIMEOUT after ${cap[$name]} s" ;;
         *) status="FAILED (exit $rc)" ;;
     esac
-    [ "$rc" = 0 ] || failed=1
-    printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$(( $(date +%s) - t0 ))" "$cap" >> "$out/steps.tsv"
-    echo "[run.sh] $name: $status in $(( $(date +%s) - t0 ))s (log: $log)" >&2
-    [ "$rc" = 0 ] || tail -n 15 "$log" | sed 's/^/    /' >&2
-    pack
-    return 0
+    printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - t0))" "${cap[$name]}" >> "$out/steps.tsv"
+    [ "$rc" = 0 ] || tail -n 15 "$out/logs/$name.log" | sed 's/^/    /' >&2
+    if [ -n "$archive" ]; then
+        mkdir -p "$(dirname "$archive")"
+        tar -czf "$archive.partial" -C "$(dirname "$out")" "$(basename "$out")" && mv "$archive.partial" "$archive"
+    fi
 }
 
-site_args=()
 if [ -d "$wheels" ]; then
+    site=${TMPDIR:-/tmp}/fasttrain-gpu-site
     step install bash benchmarks/gpu/install_wheels.sh "$python" "$wheels" "$site"
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"  # every later step imports from there first
-    site_args=(--site "$site")
+fi
+step provenance "$python" -c 'import json, sys, torch  # torch first: the record names the GPU
+from fasttrain.bench import provenance
+record = {**provenance.record("liger-kernel"), "command": sys.argv[2]}
+json.dump(record, open(sys.argv[1], "w"), indent=1)' "$out/provenance.json" "$command_line"
+command -v nvidia-smi > /dev/null && timeout 20 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+if [ "$smoke" = 1 ]; then  # each test file imports and builds its cases at these versions
+    step tests "$python" -m pytest -p no:cacheprovider -q --collect-only -m cuda tests/
 else
-    echo "[run.sh] no $wheels: using the current environment as it is" >&2
+    xdist=()
+    "$python" -c "import xdist" 2> /dev/null && xdist=(-n 4)
+    step tests "$python" -m pytest -p no:cacheprovider -q -rfE -m cuda "${xdist[@]}" --junitxml "$out/tests.xml" tests/
 fi
-step environment "$python" benchmarks/gpu/environment.py --out "$out" "${site_args[@]}" "${smoke_flag[@]}"
-step hardware "$python" benchmarks/gpu/roofline.py --out "$out" "${smoke_flag[@]}"
-if [ "$smoke" = 1 ]; then
-    # the GPU machine's Triton (in CI's replica) compiles every kernel for sm_90: its errors show here. Every
-    # value of every constexpr once (~40 variants); CI's main stage compiles every pair with the latest Triton.
-    step compile env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 "$python" tests/_compile_kernels_sm90.py \
-        --each-value
-fi
-if [ "$smoke" = 1 ]; then
-    # The smoke run collects the kernel tests: every file imports and builds its cases at these versions, with this
-    # step's selection. The kernels themselves run in the adamw and loss steps below (each checks its values), the
-    # whole selection runs interpreted in CI's main and isa stages, and compiled on the GPU machine.
-    step kernels "$python" -m pytest -p no:cacheprovider -q --collect-only -m "$kernel_markers" "${kernel_tests[@]}"
-else
-    xdist=()  # kernel compilation dominates on the GPU machine: compile on four cores at once
-    "$python" -c "import xdist" 2>/dev/null && xdist=(-n 4)
-    step kernels "$python" -m pytest -p no:cacheprovider -q -rfE -m "$kernel_markers" "${xdist[@]}" \
-        --junitxml "$out/kernels.xml" "${kernel_tests[@]}"
-fi
-kernel_steps() {  # the kernel checks and benchmarks; returns 1 if one failed
-    step parity "$python" benchmarks/gpu/parity_gpu.py --out "$out" "${smoke_flag[@]}"
-    step adamw "$python" benchmarks/gpu/bench_adamw_gpu.py --out "$out" "${smoke_flag[@]}" "${adamw_args[@]}"
-    step loss "$python" benchmarks/gpu/bench_loss_gpu.py --out "$out" "${smoke_flag[@]}" "${loss_args[@]}"
-    step loss-trl "$python" benchmarks/gpu/bench_loss_gpu.py --trl --out "$out" "${smoke_flag[@]}" \
-        "${loss_trl_args[@]}"
-    step loss-speculation "$python" benchmarks/bench_loss_speculation.py --out "$out" "${speculation_args[@]}"
-    return $failed
+
+kernel_lane() {
+    # the GPU machine's Triton (in CI's replica) compiles every value of every constexpr once for sm_90
+    [ "$smoke" = 0 ] || step compile env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 \
+        "$python" tests/_compile_kernels_sm90.py --each-value
+    step adamw "$python" benchmarks/bench_adamw.py --out "$out" "${adamw[@]}"
+    step loss "$python" benchmarks/bench_loss.py --out "$out" --cases loss "${loss[@]}"
+    step loss-trl "$python" benchmarks/bench_loss.py --out "$out" --cases trl_sft,trl_dpo --name loss_trl "${loss[@]}"
+    step loss-speculation "$python" benchmarks/bench_loss_speculation.py --out "$out" "${speculation[@]}"
 }
-trainer_steps() {  # the end-to-end trainings (fasttrain bench); returns 1 if one failed
-    step e2e bash benchmarks/gpu/bench_e2e_gpu.sh --out "$out" "${smoke_flag[@]}"
-    step packing bash benchmarks/gpu/bench_e2e_gpu.sh --packing --out "$out" "${smoke_flag[@]}"
-    step trl-sft bash benchmarks/gpu/bench_trl_gpu.sh --trainer sft --out "$out" "${smoke_flag[@]}"
-    step trl-dpo bash benchmarks/gpu/bench_trl_gpu.sh --trainer dpo --out "$out" "${smoke_flag[@]}"
-    step grpo bash benchmarks/gpu/bench_trl_gpu.sh --trainer grpo --out "$out" "${smoke_flag[@]}"
-    return $failed
+training_lane() {
+    for name in gpu-e2e gpu-packing gpu-sft gpu-dpo gpu-grpo; do
+        step "$name" "$python" -m fasttrain bench --preset "$name" "${preset[@]}" --no-progress \
+            --json "$out/$name.json" --markdown "$out/$name.md"
+    done
 }
 if [ "$smoke" = 1 ] && [ -z "$archive" ]; then
-    # On CPU each of these steps is mostly one single-threaded Python process (the Triton interpreter, tiny models,
-    # process start-up): the two groups run side by side, one per core. Each step keeps its own cap and log.
-    kernel_steps &
+    # on CPU each step is mostly one single-threaded process: one lane per core (the archive needs one writer)
+    kernel_lane &
     lane=$!
-    trainer_steps || failed=1
-    wait "$lane" || failed=1
+    training_lane
+    wait "$lane"
 else
-    kernel_steps
-    trainer_steps
+    kernel_lane
+    training_lane
 fi
-step summary "$python" benchmarks/gpu/summarize.py "$out"
-cat "$out/summary.md"
-echo "[run.sh] all steps in $(( $(date +%s) - started ))s; results in $out" >&2
-exit $failed
+awk -F'\t' 'BEGIN { printf "\n%-17s %-22s %7s %5s\n", "step", "status", "seconds", "cap" }
+    { printf "%-17s %-22s %7s %5s\n", $1, $2, $3, $4; failed = failed || $2 != "ok" } END { exit failed }' \
+    "$out/steps.tsv"
