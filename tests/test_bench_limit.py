@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from _bench_helpers import CONFIG
+from _bench_helpers import run_result as _run
 from fasttrain.bench import report, roofline, summary
-from test_bench_report import CONFIG, _run
 
 
 def test_the_gemm_rate_is_measured_on_this_cpu():

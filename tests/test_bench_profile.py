@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import resource
 import types
 
 import pytest
@@ -62,7 +63,10 @@ def test_the_last_step_is_profiled_and_its_time_is_split_whole(profiled):
         assert p["seconds"][category] > 0, category
     # (which category takes longest is a measurement, not asserted here: under a loaded CI machine the tiny
     # layer's GEMMs outlasted the 151,936-word head once; the operators' attribution is the test above)
-    assert p["user_cpu_s"] > 0 and p["minor_page_faults"] >= 0
+    assert p["user_cpu_s"] > 0
+    # a training step touches fresh pages (activations, gradients): some faults, and fewer than the whole
+    # process has taken so far (the run's setup faulted too), so the figure is the step's, not the process's
+    assert 0 < p["minor_page_faults"] < resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def test_a_run_without_profile_has_none(tmp_path):
@@ -77,8 +81,8 @@ def test_a_run_without_profile_has_none(tmp_path):
 def test_the_profile_option_runs_one_more_run_per_contender_and_writes_the_table(
     tmp_path, monkeypatch, capsys
 ):
+    from _bench_helpers import run_result as _run
     from fasttrain.bench import runner
-    from test_bench_report import _run
 
     calls = []
 

@@ -8,48 +8,10 @@ import sys
 
 import pytest
 
+from _bench_helpers import CONFIG, full_data
+from _bench_helpers import run_result as _run
 from fasttrain.bench import report, runner, summary, worker
-from fasttrain.bench.config import BenchConfig, Contender
-
-CONFIG = BenchConfig(
-    model="tiny",
-    dataset="default",
-    device="cpu",
-    steps=4,
-    seq_len=32,
-    batch_size=2,
-    grad_accum=1,
-    bf16=False,
-    seed=0,
-    threads=1,
-    learning_rate=1e-3,
-    warmup_steps=1,
-    group_by_length=True,
-)
-
-
-def _run(name: str, trainer: str, tps: float, peak: float, losses: list[float], status=None) -> dict:
-    return {
-        "contender": name,
-        "trainer": trainer,
-        "trainer_class": f"x.{trainer}",
-        "fasttrain_disable": None,
-        "steps": len(losses),
-        "warmup_steps_excluded": 1,
-        "tokens_per_s": tps,
-        "step_time_s": 1.0 / tps,
-        "step_times_s": [0.1] * len(losses),
-        "tokens_per_step": [10] * len(losses),
-        "timed_tokens": 30,
-        "losses": losses,
-        "grad_norms": [1.0] * len(losses),
-        "final_loss": losses[-1],
-        "hot_paths": status or {},
-        "peak_memory_mb": peak,
-        "memory_kind": "peak RSS (ru_maxrss)",
-        "memory_after_setup_mb": 100.0,
-        "peak_above_setup_mb": peak - 100.0,
-    }
+from fasttrain.bench.config import Contender
 
 
 @pytest.fixture
@@ -106,10 +68,7 @@ def test_ablations_are_grouped_and_compared(results):
 
 
 def _full(results) -> dict:
-    data = summary.build(results)
-    data.update(config=CONFIG.to_json(), command="fasttrain bench --model tiny", wall_s=12.0)
-    data["environment"] = report.environment(data)
-    return data
+    return full_data(results)
 
 
 def test_table_shows_every_row(results):
@@ -121,7 +80,7 @@ def test_table_shows_every_row(results):
         "above setup",
         "final loss",
         "largest per-step loss diff",
-        "hot paths",
+        "hot paths, fasttrain: ",
     ):
         assert label in text
     assert "(1.27x)" in text  # 140 / 110 tokens/s
@@ -133,7 +92,8 @@ def test_table_shows_every_row(results):
 def test_markdown_has_provenance(results):
     md = report.markdown(CONFIG, _full(results))
     assert "- command: `fasttrain bench --model tiny`" in md
-    assert "- date (UTC): " in md and "- machine: " in md and "torch " in md
+    assert "- measured " in md and " at commit " in md and "- machine: " in md and "torch " in md
+    assert "docs/method.md" in md  # how the figures are measured is written once, there
     assert "| tokens/s (higher is better) | 110.0 | 140.0 (1.27x) |" in md
 
 
@@ -262,8 +222,7 @@ LIGER_ERROR = "the liger run exited with code 1; last lines of its log:\nTraceba
 
 
 def test_a_failed_contender_is_in_the_table_with_its_error(results, tmp_path):
-    data = summary.build(results, {"liger": LIGER_ERROR})
-    data.update(command="fasttrain bench", wall_s=1.0, environment=report.environment(data))
+    data = full_data(results, {"liger": LIGER_ERROR})
     header, table = report.rows(data)
     assert header == ["", "reference", "liger", "fasttrain"]
     assert table[0] == ["tokens/s (higher is better)", "110.0", "failed", "140.0 (1.27x)"]
@@ -278,8 +237,7 @@ def test_a_failed_contender_is_in_the_table_with_its_error(results, tmp_path):
 
 def test_without_a_finished_reference_there_are_no_ratios(results):
     del results["reference"]
-    data = summary.build(results, {"reference": "the reference run exited with code 1"})
-    data.update(command="fasttrain bench", wall_s=1.0, environment=report.environment(data))
+    data = full_data(results, {"reference": "the reference run exited with code 1"})
     assert data["comparison"] == {}
     text = report.text_table(CONFIG, data)
     assert "the reference failed: no ratios" in text
@@ -364,11 +322,11 @@ def test_the_lengths_and_the_grouping_are_described(results):
 
     lognormal = dataclasses.replace(CONFIG, lengths="lognormal", seq_len=1024, group_by_length=False)
     text = report.text_table(lognormal, _full(results))
-    assert "example lengths log-normal (median 180, sigma 0.8, 16..1024 tokens)" in text
+    assert "sequences: log-normal lengths (median 180, sigma 0.8, 16..1024 tokens)" in text
     assert "not grouped by length" in text
     natural = report.text_table(CONFIG, _full(results))
     assert "sequences up to 32 tokens (the data's natural lengths)" in natural
-    assert "; grouped by length" in natural
+    assert ", grouped by length" in natural
 
 
 # --- what a new user reads (issue 23): each of these failed on the old report ---
@@ -407,7 +365,7 @@ def test_every_ratio_row_says_which_way_is_better(results):
             "of which above setup, MB (lower is better)",
         ]
     )
-    assert report.RATIO_LEGEND in report.text_table(CONFIG, _full(results))
+    assert "docs/method.md" in report.text_table(CONFIG, _full(results))  # where the ratios are explained
 
 
 @pytest.mark.parametrize("model", ["tiny", "qwen3-cpu", "qwen3-0.6b", "qwen3-1.7b"])
@@ -462,7 +420,7 @@ def test_one_step_is_singular_and_no_warm_up_is_a_warning(results):
     assert "1 step x batch" in text and "1 steps" not in text
     assert "1 repetition per contender" in text and "repetition(s)" not in text
     assert "exclude the first 0" not in text
-    assert "non-padding tokens; every step timed" in text
+    assert "medians; every step timed" in text
     assert f"WARNING: {report.NO_WARMUP_NOTE}" in text
     assert "compilation" in report.NO_WARMUP_NOTE
 
@@ -489,3 +447,34 @@ def test_the_progress_bar_counts_each_run_s_own_steps(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "run 2/2 (fasttrain, repetition 1/1), step 4/4" in err
     assert "8/8 steps of all runs" in err
+
+
+def test_hot_path_statuses_go_under_the_table_not_into_it(results):
+    """Six paths off with their reasons made one cell, and so the whole table, 300+ characters wide."""
+    reasons = {name: f"off: a reason as long as the real ones are ({name})" for name in ("optimizer", "clip",
+               "loss", "collator", "sampler", "packing")}  # fmt: skip
+    for run in results["fasttrain"]:
+        run["hot_paths"] = reasons
+    text = report.text_table(CONFIG, _full(results))
+    table = text.split("\n\n")[0]
+    assert max(len(line) for line in table.splitlines()) <= 110
+    assert "hot paths, fasttrain: off: optimizer (a reason as long as the real ones are (optimizer))" in text
+    md = report.markdown(CONFIG, _full(results))
+    assert "- hot paths, fasttrain: off: optimizer" in md and "| hot paths |" not in md
+
+
+@pytest.mark.parametrize("seq_len", [64, 128, 512, 1024])
+def test_the_lengths_description_states_the_median_the_lengths_have(results, seq_len):
+    """A limit under the log-normal's median moves the median: `--seq-len 64` said "median 180, 16..64"."""
+    import dataclasses
+    import re
+    import statistics
+
+    from fasttrain.bench import data
+
+    config = dataclasses.replace(CONFIG, lengths="lognormal", seq_len=seq_len)
+    text = report.text_table(config, _full(results))
+    stated = int(re.search(r"log-normal lengths \(median (\d+)", text).group(1))
+    drawn = statistics.median(data.lognormal_lengths(20_001, seq_len, seed=0))
+    assert abs(stated - drawn) <= 4, (stated, drawn)  # the sample median of 20,001 draws is within ~1.3 of it
+    assert f"16..{seq_len} tokens" in text

@@ -7,10 +7,13 @@ import json
 import pytest
 
 import _tiny
+from _bench_helpers import full_data
 from fasttrain.bench import summary, trl_runs, worker
 from fasttrain.bench.config import Contender
 
 pytest.importorskip("trl")
+
+pytestmark = pytest.mark.trl
 
 # fp32, same weights, data and seed: per-step loss and every logged metric agree within this (issue 10's bar),
 # or within ABS_FLOOR where the reference value itself is about zero (DPO's rewards start at exactly 0)
@@ -202,8 +205,7 @@ def test_plain_and_patched_rl_and_kto_agree(trainer_type, settings, trl_metrics,
     assert reference["generated_tokens_per_step"] == ours["generated_tokens_per_step"]
     for key in ("completions/mean_length", "reward"):
         assert reference["metrics"][key] == ours["metrics"][key], key
-    data = summary.build({"reference": [reference], "fasttrain": [ours]})
-    data.update(environment=report.environment(data), command="fasttrain bench", wall_s=1.0)
+    data = full_data({"reference": [reference], "fasttrain": [ours]}, config=config)
     assert data["comparison"]["fasttrain_vs_reference"]["training_phase_time_s_ratio"] > 0
     _, rows = report.rows(data)
     labels = [row[0] for row in rows]
@@ -214,15 +216,13 @@ def test_plain_and_patched_rl_and_kto_agree(trainer_type, settings, trl_metrics,
     ):
         assert any(label.startswith(phase) for label in labels), labels
     text = report.markdown(config, data)
-    assert (
-        "phases: generation = the time inside model.generate" in text and "1 prompt x 4 completions" in text
-    )
+    assert "1 prompt x 4 completions" in text and "docs/method.md" in text
 
 
 def test_the_report_says_how_loaded_the_machine_was_during_the_runs():
     from fasttrain.bench import report
 
-    data = {"environment": {"cores": 2}, "load_average": {"start": 1.0, "end": 1.5}}
+    data = {"provenance": {"load_1min_at_start": 1.0, "machine": {"cores": 2}}, "load_average": {"end": 1.5}}
     assert "competed" not in report._load_note(data)[0]
     data["load_average"]["during_runs"] = {"mean": 3.4, "max": 6.6}
     note = report._load_note(data)[0]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import _tiny
-from fasttrain.bench import worker
+from fasttrain.bench import provenance, worker
 from fasttrain.bench.config import Contender, dump
 
 
@@ -131,7 +131,9 @@ def test_python_m_fasttrain_bench_end_to_end(tmp_path):
     assert data["fasttrain"]["trainer_class"] == "fasttrain.trainer.Trainer"
     # same weights, same first batch: the first loss agrees to fp32 rounding whichever loss path runs
     assert data["fasttrain"]["losses"][0] == pytest.approx(data["reference"]["losses"][0], rel=1e-4)
-    assert data["command"].startswith("fasttrain bench --device cpu --model tiny")
+    # where it came from: the command as retyped, the commit it ran at
+    assert data["provenance"]["command"].startswith("fasttrain bench --device cpu --model tiny")
+    assert data["provenance"]["commit"] == provenance.git_commit()
     assert "| tokens/s (higher is better) |" in out.with_suffix(".md").read_text()
     assert "model tiny (hidden 32, 1 layer, vocab 151,936" in proc.stdout
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"

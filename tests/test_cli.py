@@ -297,9 +297,9 @@ def _bench_argv(tmp_path) -> list[str]:
 
 
 def _finished_run(contender):
-    from test_bench_report import _run
+    from _bench_helpers import run_result
 
-    return _run(contender.name, contender.trainer, 100.0, 500.0, [4.0, 3.0, 2.0, 1.0])
+    return run_result(contender.name, contender.trainer, 100.0, 500.0, [4.0, 3.0, 2.0, 1.0])
 
 
 def test_bench_writes_each_finished_run_so_a_cut_short_bench_keeps_them(tmp_path, monkeypatch, capsys):
@@ -383,3 +383,127 @@ def test_help_lists_every_built_in_shape_with_its_size(capsys):
     for name in ("tiny", "qwen3-cpu", "qwen3-0.6b", "qwen3-1.7b"):
         assert f"{name}: hidden " in out
     assert "1 layer, vocab 151,936, 4.9M parameters" in out
+
+
+def test_the_built_in_default_is_what_it_was():
+    """`fasttrain bench` alone on a CPU: the same model, lengths, batch, steps, warm-up, repeats and contenders."""
+    config, contenders, repeats = _resolve(["bench", "--device", "cpu"])
+    assert (config.model, config.lengths, config.seq_len, config.batch_size, config.grad_accum) == (
+        "qwen3-0.6b", "lognormal", 512, 2, 1
+    )  # fmt: skip
+    assert (config.steps, config.warmup_steps, config.bf16, repeats) == (4, 2, False, 2)
+    assert (config.seed, config.learning_rate, config.dataset) == (0, 1e-3, "default")
+    assert [c.name for c in contenders] == [REFERENCE, FASTTRAIN]
+
+
+# The arguments benchmarks/gpu/bench_e2e_gpu.sh and bench_trl_gpu.sh gave `fasttrain bench`, GPU and --smoke
+_KIT = {
+    "gpu-e2e": (
+        "--device cuda --model qwen3-0.6b --bf16 --seq-len 4096 --batch-size 2 --steps 8 --warmup-steps 2 --repeats 2",
+        "--device cpu --model tiny --steps 3 --warmup-steps 1 --seq-len 64 --batch-size 2 --repeats 1",
+    ),
+    "gpu-packing": (
+        "--lengths lognormal --no-group-by-length --ablate packing --repeats 1 --device cuda --model qwen3-0.6b "
+        "--bf16 --seq-len 4096 --batch-size 16 --steps 8 --warmup-steps 2",
+        "--lengths lognormal --no-group-by-length --ablate packing --repeats 1 --device cpu --model tiny --steps 3 "
+        "--warmup-steps 1 --seq-len 128 --batch-size 4",
+    ),
+    **{
+        f"gpu-{trainer}": (
+            f"--trainer {trainer} --device cuda --model qwen3-0.6b --bf16 --seq-len 2048 --batch-size 2 --steps 6 "
+            "--warmup-steps 2 --repeats 1 --no-liger",
+            f"--trainer {trainer} --device cpu --model tiny --steps 2 --seq-len 48 --batch-size 2 --repeats 1",
+        )
+        for trainer in ("sft", "dpo")
+    },
+    "gpu-grpo": (
+        "--trainer grpo --device cuda --model qwen3-0.6b --bf16 --lengths lognormal --seq-len 512 --batch-size 16 "
+        "--grad-accum 1 --num-generations 8 --max-completion-length 512 --completions synthetic --steps 5 "
+        "--warmup-steps 2 --repeats 1",
+        "--trainer grpo --device cpu --model tiny --lengths lognormal --steps 2 --warmup-steps 1 --seq-len 48 "
+        "--batch-size 4 --num-generations 4 --max-completion-length 16 --completions synthetic --repeats 1",
+    ),
+}
+
+
+@pytest.mark.parametrize("liger", [False, True])
+@pytest.mark.parametrize("name", list(_KIT))
+def test_each_gpu_kit_preset_runs_what_its_script_ran(monkeypatch, name, liger):
+    monkeypatch.setattr(cli, "_cuda_available", lambda: True)
+    monkeypatch.setattr(cli, "_liger_importable", lambda: liger)
+    gpu, smoke = _KIT[name]
+    assert _resolve(["bench", "--preset", name]) == _resolve(["bench", *gpu.split()])
+    assert _resolve(["bench", "--preset", name, "--smoke"]) == _resolve(["bench", *smoke.split()])
+    # the e2e step compared against Liger when liger_kernel imported
+    _, contenders, _ = _resolve(["bench", "--preset", name])
+    assert ("liger" in [c.name for c in contenders]) == (liger and name in ("gpu-e2e", "gpu-packing"))
+
+
+def test_explicit_options_override_the_preset():
+    argv = ["bench", "--preset", "gpu-packing", "--smoke", "--steps", "5", "--repeats", "3", "--seed", "7"]
+    config, contenders, repeats = _resolve(argv)
+    assert (config.steps, repeats, config.seed, config.seq_len) == (5, 3, 7, 128)
+    assert [c.name for c in contenders][-1] == "fasttrain-no-packing"
+
+
+@pytest.mark.parametrize("trainer", ["transformers", "sft", "grpo"])
+def test_smoke_without_a_preset_runs_the_built_in_preset_s_twin(trainer):
+    twin, _, _ = _resolve(["bench", "--smoke", "--trainer", trainer])
+    assert (twin.model, twin.device, twin.trainer_type, twin.steps) == ("tiny", "cpu", trainer, 3 if trainer ==
+                                                                        "transformers" else 2)  # fmt: skip
+
+
+def test_help_lists_the_presets_and_the_head_s_share_computed_from_the_shape(capsys):
+    from fasttrain.bench import models, presets
+
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for name in presets.PRESETS:
+        assert f"{name}: " in out
+    share = models.builtin_summary("qwen3-0.6b")["lm_head_matmul_share"]
+    assert f"cpu: qwen3-0.6b (LM head {share:.0%} of the matmul FLOPs)" in out
+
+
+def test_no_share_of_the_head_is_written_by_hand():
+    """cli.py said the head was ~22% of Qwen3-0.6B's matmul FLOPs where the shape gives 26%: such figures are
+    computed from bench/models.py's shapes, never typed."""
+    import pathlib
+    import re
+
+    from fasttrain.bench import presets
+
+    for module in (cli, presets):
+        source = pathlib.Path(module.__file__).read_text()
+        assert not re.findall(r"head[^\n]{0,30}?[~ ]\d+%", source), module.__name__
+
+
+def test_only_a_generating_run_records_generation_settings():
+    from fasttrain.bench.config import BenchConfig
+
+    generation = {"num_generations", "max_completion_length", "completions"}
+    config, _, _ = _resolve(["bench", "--device", "cpu", "--model", "tiny"])
+    assert not generation & config.to_json().keys()
+    assert BenchConfig.from_json(config.to_json()) == config
+    grpo, _, _ = _resolve(["bench", "--device", "cpu", "--model", "tiny", "--trainer", "grpo"])
+    assert generation <= grpo.to_json().keys() and BenchConfig.from_json(grpo.to_json()) == grpo
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        "", "--ablate", "--ablate packing", "--device cuda", "--trainer sft --bf16", "--trainer dpo", "--trainer kto",
+        "--trainer grpo", "--trainer rloo", "--trainer grpo --completions synthetic", "--model qwen3-cpu",
+        "--model tiny --steps 6 --seq-len 128 --batch-size 2 --grad-accum 2", "--lengths natural --group-by-length",
+        "--lengths lognormal --ablate packing", "--repeats 1 --profile {tmp}/p.md",
+        "--json {tmp}/r.json --markdown {tmp}/r.md --plot {tmp}/r.png",
+    ],
+)  # fmt: skip
+def test_every_documented_command_still_resolves(monkeypatch, tmp_path, options):
+    """The commands README.md and docs/ show keep their meaning under the presets."""
+    monkeypatch.setattr(cli, "_cuda_available", lambda: "--device cuda" in options)
+    monkeypatch.setattr(cli, "_liger_importable", lambda: False)
+    config, contenders, _ = _resolve(["bench", *options.format(tmp=tmp_path).split()])
+    assert config.device == ("cuda" if "--device cuda" in options else "cpu")
+    assert config.bf16 == (config.device == "cuda" or "--bf16" in options)
+    assert contenders[0].name == REFERENCE and contenders[1].name == FASTTRAIN

@@ -4,7 +4,7 @@ Exit codes: 0 done; 2 bad options or unusable model/data (one line on stderr, no
 misspelled option prints the usage of the command it was given to); 1 a training run crashed (the tail of its
 log on stderr; the other contenders still ran and are in the table, the crashed one with its error); 130
 interrupted. ``--json`` and ``--markdown`` are rewritten after every run, so a bench stopped by a time cap keeps
-what finished.
+what finished. Every default comes from bench/presets.py.
 """
 
 from __future__ import annotations
@@ -19,52 +19,8 @@ import time
 
 from .hot_paths import HotPaths
 
-# Per-device defaults: a released model's shape, Qwen3-0.6B (its LM head ~22% of the matmul FLOPs; the small
-# qwen3-cpu shape, whose head is ~98%, stays available as --model qwen3-cpu). CPU: fp32, log-normal lengths like
-# instruction data (median 180 tokens, up to 512), ungrouped, batches of 2, 4 steps of which 2 warm-up, two
-# repetitions each: about 6 minutes on 2 cores (a step is ~15-20 s there). CUDA: bf16 at sequence length 4,096 on
-# the corpus's natural lengths. "seq_len" is the limit for --lengths natural, "lognormal_seq_len" for
-# --lengths lognormal.
-DEVICE_DEFAULTS = {
-    "cpu": {
-        "model": "qwen3-0.6b",
-        "lengths": "lognormal",
-        "seq_len": 256,
-        "lognormal_seq_len": 512,
-        "batch_size": 2,
-        "steps": 4,
-        "bf16": False,
-    },
-    "cuda": {
-        "model": "qwen3-0.6b",
-        "lengths": "natural",
-        "seq_len": 4096,
-        "lognormal_seq_len": 4096,
-        "batch_size": 2,
-        "steps": 12,
-        "bf16": True,
-    },
-}
-# TRL's trainers on CPU keep the small shape: DPO and KTO run a reference model beside the policy, GRPO and RLOO
-# generate, and at the Qwen3-0.6B shape a run would take an hour on 2 cores; their results (benchmarks/results/
-# bench_cpu_{sft,dpo,kto,grpo,rloo}.md) name the shape and its LM head's share
-TRL_CPU_DEFAULTS = {"model": "qwen3-cpu", "lognormal_seq_len": 1024, "batch_size": 4, "steps": 12}
-# Steps left out of the timing unless --warmup-steps says otherwise: the first ones compile kernels and warm
-# caches. Never more than --steps minus one, so that a short run still times at least one step.
-DEFAULT_WARMUP_STEPS = 2
-# --trainer: which Trainer both sides run. "sft"/"dpo"/"kto"/"grpo"/"rloo": TRL's trainer of that name, plain
-# against the same trainer under fasttrain.patch().
 TRAINER_TYPES = ("transformers", "sft", "dpo", "kto", "grpo", "rloo")
-# GRPO and RLOO generate before they train: their own defaults, per device. --seq-len limits the prompts;
-# --batch-size counts completions (TRL's per_device_train_batch_size), so a step trains on batch x grad-accum /
-# num_generations prompts. CPU: one prompt a step, 8 completions of up to 512 tokens, 4 steps (1 warm-up): a run
-# is a few minutes on 2 cores, most of it sampling. CUDA: 4 prompts a step (2 micro-batches of 16 completions).
-RL_DEFAULTS = {
-    "cpu": {"seq_len": 512, "batch_size": 8, "grad_accum": 1, "steps": 4, "warmup_steps": 1},
-    "cuda": {"seq_len": 512, "batch_size": 16, "grad_accum": 2, "steps": 6, "warmup_steps": 1},
-}
-RL_NUM_GENERATIONS = 8
-RL_MAX_COMPLETION_LENGTH = 512
+_GENERATION_OPTIONS = ("num_generations", "max_completion_length", "completions")
 
 
 class UsageError(ValueError):
@@ -72,7 +28,7 @@ class UsageError(ValueError):
 
 
 def _bench_parser(sub) -> argparse.ArgumentParser:
-    from .bench import models  # light: no torch, no transformers
+    from .bench import data, models, presets  # light: no torch, no transformers
 
     p = sub.add_parser(
         "bench",
@@ -80,149 +36,58 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
         description="Train the same model on the same data with the same seed and arguments, once with "
         "transformers.Trainer and once with fasttrain.Trainer (or, with --trainer sft/dpo/kto/grpo/rloo, TRL's "
         "trainer plain and under fasttrain.patch()), each in its own process, alternating repetitions; then print "
-        "a side-by-side table. GRPO and RLOO steps have two phases, reported apart: generation (the time inside "
-        "model.generate, which fasttrain does not touch) and training (the rest of the step: rewards, scoring, "
-        "the loss forward and backward, the optimizer step); their tokens/s and step time are the training "
-        "phase's, peak memory is given for each phase and for the whole run.",
+        "a side-by-side table. Unset options come from --preset, else from the built-in preset of the device and "
+        "trainer (cpu, cpu-trl, cpu-rl, cuda, cuda-rl). How each figure is measured: docs/method.md.",
     )
     p.set_defaults(command_parser=p)  # main() reports a misspelled option with this parser's usage
-    p.add_argument(
-        "--trainer",
-        choices=TRAINER_TYPES,
-        default="transformers",
-        help="transformers: transformers.Trainer against fasttrain.Trainer; sft / dpo / kto / grpo / rloo: TRL's "
-        "SFTTrainer / DPOTrainer / KTOTrainer / GRPOTrainer / RLOOTrainer (completion-only SFT; DPO and KTO with a "
-        "reference model; GRPO and RLOO generating --num-generations completions per prompt with model.generate, "
-        "rewarded by cheap deterministic functions), plain against under fasttrain.patch() (needs trl; default: "
-        "transformers)",
-    )
+    add = p.add_argument
+    lognormal = data.describe_lognormal("--seq-len").replace("%", "%%")
     shapes = "; ".join(
         f"{n}: {models.describe_summary(models.builtin_summary(n))}" for n in models.BUILTIN_SHAPES
     )
-    p.add_argument(
-        "--model",
-        # argparse %-formats help strings: the shapes' percentages need doubling
-        help=f"a built-in Qwen3 shape at random init ({shapes.replace('%', '%%')}), a local directory or a hub "
-        "id (default: qwen3-0.6b; on CPU with --trainer sft/dpo/kto/grpo/rloo: qwen3-cpu, a small shape whose LM "
-        "head is ~98%% of its FLOPs)",
-    )
-    p.add_argument(
-        "--dataset",
-        default="default",
-        help="'default' (the Python standard library's sources), "
-        "a local .json/.jsonl/.parquet/.txt file with a 'text' column or lines, or a hub dataset id",
-    )
-    p.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="default: cuda when available, else cpu",
-    )
-    p.add_argument(
-        "--lengths",
-        choices=["natural", "lognormal"],
-        help="example lengths: 'natural' (each document of the dataset, truncated to --seq-len) or "
-        "'lognormal' (drawn like instruction data: median 180 tokens, clipped to 16..--seq-len, filled from "
-        "the dataset's token stream) (default: lognormal on cpu, natural on cuda)",
-    )
-    rl_cpu, rl_cuda = RL_DEFAULTS["cpu"], RL_DEFAULTS["cuda"]
-    p.add_argument(
-        "--steps",
-        type=int,
-        help=f"optimizer steps per run (default: 12; grpo/rloo: {rl_cpu['steps']} on cpu, {rl_cuda['steps']} on cuda)",
-    )
-    p.add_argument(
-        "--seq-len",
-        type=int,
-        help="maximum tokens per example (default: 1024 on cpu with --lengths lognormal, 256 with natural; "
-        f"4096 on cuda); grpo/rloo: per prompt (default: {rl_cpu['seq_len']})",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        help="per-device batch size (default: 4 on cpu, 2 on cuda); grpo/rloo: completions per micro-batch, as "
-        f"TRL's per_device_train_batch_size (default: {rl_cpu['batch_size']} on cpu, {rl_cuda['batch_size']} on "
-        "cuda)",
-    )
-    p.add_argument(
-        "--grad-accum",
-        type=int,
-        help=f"gradient accumulation steps (default: 1; grpo/rloo: {rl_cpu['grad_accum']} on cpu, "
-        f"{rl_cuda['grad_accum']} on cuda)",
-    )
-    p.add_argument(
-        "--num-generations",
-        type=int,
-        help="grpo/rloo: completions per prompt; --batch-size x --grad-accum must be a multiple of it "
-        f"(default: {RL_NUM_GENERATIONS})",
-    )
-    p.add_argument(
-        "--max-completion-length",
-        type=int,
-        help=f"grpo/rloo: longest completion in tokens (default: {RL_MAX_COMPLETION_LENGTH})",
-    )
-    p.add_argument(
-        "--completions",
-        choices=["sampled", "synthetic"],
-        help="grpo/rloo: 'sampled' by TRL with model.generate (seeded; a built-in model gets extra stop ids, so that "
-        "lengths vary below the limit) or 'synthetic': model.generate replaced by random tokens of log-normal "
-        "lengths (median 180, up to --max-completion-length), no model call, so the run measures the training "
-        "phase alone (default: sampled)",
-    )
-    p.add_argument(
-        "--bf16",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="bf16 weights and bf16=True (default: on for cuda, off for cpu)",
-    )
-    p.add_argument("--repeats", type=int, default=2, help="repetitions per contender (default: 2)")
-    p.add_argument(
-        "--warmup-steps",
-        type=int,
-        help=f"first steps left out of the timing (default: {DEFAULT_WARMUP_STEPS}; grpo/rloo: "
-        f"{rl_cpu['warmup_steps']}; at most --steps minus 1)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
-    p.add_argument("--threads", type=int, help="torch threads in every run (default: all usable cores)")
-    p.add_argument(
-        "--group-by-length",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="train_sampling_strategy='group_by_length' on both sides (default: off, as in most fine-tuning "
-        "scripts; only for --trainer transformers and sft: the other trainers' rows have no input_ids column to "
-        "group by)",
-    )
-    p.add_argument(
-        "--liger",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="add transformers.Trainer with use_liger_kernel=True as a third contender "
-        "(default: on for cuda when liger_kernel is installed)",
-    )
-    p.add_argument(
-        "--ablate",
-        nargs="?",
-        const="",
-        metavar="PATHS",
-        help="also run fasttrain with each hot path switched off in turn (FASTTRAIN_DISABLE=<name>), and with "
-        "all off; the report shows each path's share (fasttrain's speed and memory with it against without it). "
-        f"Optionally only the comma-separated PATHS (of {', '.join(HotPaths.names())}, all)",
-    )
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument(
-        "--markdown", metavar="PATH", help="write the table as Markdown, with date, machine, versions"
-    )
-    p.add_argument("--plot", metavar="PATH", help="write a PNG: loss curves, throughput and memory bars")
-    p.add_argument(
-        "--profile",
-        metavar="PATH",
-        help="after the timed runs, one more run per contender that profiles one step after the warm-up "
-        "(torch.profiler, not counted in the figures) and writes to PATH, as Markdown, where that step's time goes: "
-        "matmuls, LM head, attention, optimizer, elementwise and other ops, outside operators, and beside them "
-        "the matmul limit, system CPU time and page faults",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # fmt: off
+    # argparse %-formats help strings: percentages need doubling
+    add("--preset", choices=list(presets.PRESETS), help=presets.help_text().replace("%", "%%"))
+    add("--smoke", action="store_true", help="run the preset's tiny-CPU twin: the same code in seconds, without a GPU")
+    add("--trainer", choices=TRAINER_TYPES, help="transformers: transformers.Trainer against fasttrain.Trainer; "
+        "sft / dpo / kto / grpo / rloo: TRL's trainer of that name (completion-only SFT; DPO and KTO with a "
+        "reference model; GRPO and RLOO generating --num-generations completions per prompt), plain against under "
+        "fasttrain.patch() (default: transformers)")
+    add("--model", help=f"a built-in Qwen3 shape at random init ({shapes.replace('%', '%%')}), a local directory "
+        "or a hub id")
+    add("--dataset", help="'default' (the Python standard library's sources), a local .json/.jsonl/.parquet/.txt "
+        "file with a 'text' column or lines, or a hub dataset id")
+    add("--device", choices=["auto", "cpu", "cuda"], help="default: cuda when available, else cpu")
+    add("--lengths", choices=list(data.LENGTH_KINDS), help="example lengths: 'natural' (each document of the "
+        f"dataset, truncated to --seq-len) or 'lognormal' ({lognormal}, filled from the dataset's tokens)")
+    add("--steps", type=int, help="optimizer steps per run")
+    add("--seq-len", type=int, help="maximum tokens per example; grpo/rloo: per prompt")
+    add("--batch-size", type=int, help="per-device batch size; grpo/rloo: completions per micro-batch")
+    add("--grad-accum", type=int, help="gradient accumulation steps")
+    add("--num-generations", type=int, help="grpo/rloo: completions per prompt (divides batch x grad-accum)")
+    add("--max-completion-length", type=int, help="grpo/rloo: longest completion in tokens")
+    add("--completions", choices=["sampled", "synthetic"], help="grpo/rloo: 'sampled' by TRL's model.generate "
+        "(seeded) or 'synthetic': random tokens of log-normal lengths, no model call (the training phase alone)")
+    add("--bf16", action=argparse.BooleanOptionalAction, help="bf16 weights and bf16=True")
+    add("--repeats", type=int, help="repetitions per contender")
+    add("--warmup-steps", type=int, help="first steps left out of the timing (at most --steps minus 1)")
+    add("--seed", type=int)
+    add("--lr", type=float, help="learning rate")
+    add("--threads", type=int, help="torch threads in every run (default: all usable cores)")
+    add("--group-by-length", action=argparse.BooleanOptionalAction, help="train_sampling_strategy="
+        "'group_by_length' on both sides (--trainer transformers and sft only)")
+    add("--liger", action=argparse.BooleanOptionalAction, help="add transformers.Trainer with "
+        "use_liger_kernel=True as a third contender (default: on for cuda when liger_kernel imports)")
+    add("--ablate", nargs="?", const="", metavar="PATHS", help="also run fasttrain with each hot path switched "
+        "off in turn (FASTTRAIN_DISABLE=<name>), and with all off: each path's share. Optionally only the "
+        f"comma-separated PATHS (of {', '.join(HotPaths.names())}, all)")
+    add("--json", metavar="PATH", help="write the results as JSON")
+    add("--markdown", metavar="PATH", help="write the table as Markdown, with its provenance")
+    add("--plot", metavar="PATH", help="write a PNG: loss curves, throughput and memory bars")
+    add("--profile", metavar="PATH", help="after the timed runs, one more run per contender that profiles one "
+        "step after the warm-up (torch.profiler) and writes where its time goes to PATH, as Markdown")
+    add("--no-progress", action="store_true", help="no progress bar")
+    # fmt: on
     return p
 
 
@@ -246,10 +111,9 @@ def _unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
     hints = []
     for extra in extras:
         name = extra.split("=", 1)[0]
-        if name.startswith("--"):
-            close = difflib.get_close_matches(name, known, n=1)
-            if close:
-                hints.append(f"{name}: did you mean {close[0]}?")
+        close = difflib.get_close_matches(name, known, n=1) if name.startswith("--") else []
+        if close:
+            hints.append(f"{name}: did you mean {close[0]}?")
     message = "unrecognized arguments: " + " ".join(extras)
     return message + ("" if not hints else " (" + "; ".join(hints) + ")")
 
@@ -260,118 +124,91 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _check_output_path(option: str, path: str | None) -> None:
-    if path is None:
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UsageError(f"{option} {path!r}: the directory {parent!r} does not exist")
+def _liger_importable() -> bool:
+    try:
+        import liger_kernel  # noqa: F401
+    except Exception:  # absent, or broken (no Triton build for this GPU, ...): the GPU kit went on without it
+        return False
+    return True
 
 
-def resolve(args: argparse.Namespace):
-    """Validated settings: (BenchConfig, contenders, repeats)."""
-    from .bench import data, models
-    from .bench.config import FASTTRAIN, GENERATING_TRAINERS, LIGER, REFERENCE, BenchConfig, Contender
+def settings(args: argparse.Namespace) -> dict:
+    """Every setting of the run: the built-in preset, then --preset (or its twin), then the options given."""
+    from .bench import presets
 
-    device = args.device
+    named = presets.chosen(args.preset, args.smoke, args.trainer)
+    given = {k: v for k, v in vars(args).items() if v is not None and k not in ("preset", "smoke")}
+    trainer = given.get("trainer") or named.get("trainer") or "transformers"
+    device = given.get("device") or named.get("device") or "auto"
     if device == "auto":
         device = "cuda" if _cuda_available() else "cpu"
     elif device == "cuda" and not _cuda_available():
         raise UsageError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
-    trainer_type = args.trainer
-    generates = trainer_type in GENERATING_TRAINERS
-    defaults = {"grad_accum": 1, "warmup_steps": None, **DEVICE_DEFAULTS[device]}
-    if device == "cpu" and trainer_type != "transformers":
-        defaults.update(TRL_CPU_DEFAULTS)
-    if generates:
-        defaults.update(RL_DEFAULTS[device], lognormal_seq_len=RL_DEFAULTS[device]["seq_len"])
-    pick = lambda value, key: defaults[key] if value is None else value  # noqa: E731
+    merged = {**presets.PRESETS[presets.default_for(device, trainer)].options, **named, **given}
+    merged.update(trainer=trainer, device=device)
+    if isinstance(merged["seq_len"], dict):
+        merged["seq_len"] = merged["seq_len"][merged["lengths"]]
+    if "warmup_steps" not in given:  # derived from --steps: `--steps 1` alone must not trip over it
+        merged["warmup_steps"] = min(merged["warmup_steps"], max(merged["steps"] - 1, 0))
+    if trainer not in ("grpo", "rloo"):
+        wrong = [f"--{k.replace('_', '-')}" for k in _GENERATION_OPTIONS if k in given]
+        if wrong:
+            raise UsageError(f"{', '.join(wrong)} only apply to --trainer grpo and rloo")
+    merged.setdefault("threads", len(os.sched_getaffinity(0)))
+    return merged
 
-    lengths = pick(args.lengths, "lengths")
-    steps, seq_len, batch, grad_accum = (
-        pick(args.steps, "steps"),
-        pick(args.seq_len, "lognormal_seq_len" if lengths == data.LOGNORMAL else "seq_len"),
-        pick(args.batch_size, "batch_size"),
-        pick(args.grad_accum, "grad_accum"),
-    )
-    threads = args.threads if args.threads is not None else len(os.sched_getaffinity(0))
-    # Derived from --steps unless given: `--steps 1` alone must not trip over an option the user never set.
-    warmup = args.warmup_steps
-    if warmup is None:
-        warmup = min(defaults["warmup_steps"] or DEFAULT_WARMUP_STEPS, max(steps - 1, 0))
-    rl_options = (
-        ("--num-generations", args.num_generations),
-        ("--max-completion-length", args.max_completion_length),
-        ("--completions", args.completions),
-    )
-    if not generates:
-        given = [option for option, value in rl_options if value is not None]
-        if given:
-            raise UsageError(f"{', '.join(given)} only apply to --trainer grpo and rloo")
-    num_generations = RL_NUM_GENERATIONS if args.num_generations is None else args.num_generations
-    max_completion = (
-        RL_MAX_COMPLETION_LENGTH if args.max_completion_length is None else args.max_completion_length
-    )
-    for option, value, minimum in (
-        ("--steps", steps, 1),
-        ("--seq-len", seq_len, data.MIN_TOKENS),
-        ("--batch-size", batch, 1),
-        ("--grad-accum", grad_accum, 1),
-        ("--repeats", args.repeats, 1),
-        ("--warmup-steps", warmup, 0),
-        ("--threads", threads, 1),
-        ("--num-generations", num_generations, 2),
-        ("--max-completion-length", max_completion, 1),
-    ):
-        if value < minimum:
-            raise UsageError(f"{option} must be at least {minimum} (got {value})")
-    if warmup >= steps:
-        raise UsageError(f"--warmup-steps ({warmup}) must be smaller than --steps ({steps})")
-    if generates and (batch * grad_accum) % num_generations:
+
+def _check(s: dict) -> None:
+    """Usage errors, each one line, before any child starts."""
+    from .bench import data, models
+
+    generates = s["trainer"] in ("grpo", "rloo")
+    minimums = {"steps": 1, "seq_len": data.MIN_TOKENS, "batch_size": 1, "grad_accum": 1, "repeats": 1,
+                "warmup_steps": 0, "threads": 1, **({"num_generations": 2, "max_completion_length": 1} if generates
+                                                    else {})}  # fmt: skip
+    for key, minimum in minimums.items():
+        if s[key] < minimum:
+            raise UsageError(f"--{key.replace('_', '-')} must be at least {minimum} (got {s[key]})")
+    if s["warmup_steps"] >= s["steps"]:
+        raise UsageError(f"--warmup-steps ({s['warmup_steps']}) must be smaller than --steps ({s['steps']})")
+    if generates and (s["batch_size"] * s["grad_accum"]) % s["num_generations"]:
         raise UsageError(
-            f"--batch-size x --grad-accum ({batch} x {grad_accum}) must be a multiple of --num-generations "
-            f"({num_generations}): each step trains on whole groups of one prompt's completions"
+            f"--batch-size x --grad-accum ({s['batch_size']} x {s['grad_accum']}) must be a multiple of "
+            f"--num-generations ({s['num_generations']}): each step trains on whole groups of one prompt's "
+            "completions"
         )
-    if trainer_type != "transformers" and importlib.util.find_spec("trl") is None:
-        raise UsageError(f"--trainer {trainer_type} needs TRL, which is not installed (pip install trl)")
-    group_by_length = bool(args.group_by_length)
-    if group_by_length and trainer_type not in ("transformers", "sft"):
+    trainer = s["trainer"]
+    if trainer != "transformers" and importlib.util.find_spec("trl") is None:
+        raise UsageError(f"--trainer {trainer} needs TRL, which is not installed (pip install trl)")
+    if s["group_by_length"] and trainer not in ("transformers", "sft"):
         raise UsageError(
-            f"--group-by-length does not apply to --trainer {trainer_type}: its rows have no input_ids column"
+            f"--group-by-length does not apply to --trainer {trainer}: its rows have no input_ids column"
         )
-    if not args.lr > 0:
-        raise UsageError(f"--lr must be positive (got {args.lr})")
-    model = pick(args.model, "model")
+    if not s["lr"] > 0:
+        raise UsageError(f"--lr must be positive (got {s['lr']})")
     try:
-        models.check_model_spec(model)
-        data.check_dataset_spec(args.dataset)
+        models.check_model_spec(s["model"])
+        data.check_dataset_spec(s["dataset"])
     except (models.ModelError, data.DatasetError) as exc:
         raise UsageError(str(exc)) from None
-    bf16 = pick(args.bf16, "bf16")
-    if bf16 and device == "cpu":
+    if s["bf16"] and s["device"] == "cpu":
         import torch
 
         if not torch.backends.mkldnn.is_available():
             raise UsageError("--bf16 on cpu needs a torch build with oneDNN (mkldnn)")
-
-    liger_installed = importlib.util.find_spec("liger_kernel") is not None
-    liger = args.liger if args.liger is not None else (device == "cuda" and liger_installed and not generates)
-    if liger and generates:
+    if s["liger"] and generates:
         raise UsageError(
-            f"--liger does not apply to --trainer {trainer_type}: TRL keeps its own fused LM head there"
+            f"--liger does not apply to --trainer {trainer}: TRL keeps its own fused LM head there"
         )
-    if liger and not liger_installed:
+    if s["liger"] and not _liger_importable():
         raise UsageError("--liger: liger_kernel is not installed (pip install liger-kernel)")
-    if liger and device != "cuda":
+    if s["liger"] and s["device"] != "cuda":
         raise UsageError("--liger needs --device cuda (Liger's Triton kernels do not run on cpu)")
-    for option, path in (
-        ("--json", args.json),
-        ("--markdown", args.markdown),
-        ("--plot", args.plot),
-        ("--profile", args.profile),
-    ):
-        _check_output_path(option, path)
-    if args.plot:
+    for key in ("json", "markdown", "plot", "profile"):
+        parent = os.path.dirname(os.path.abspath(s[key])) if s.get(key) else None
+        if parent and not os.path.isdir(parent):
+            raise UsageError(f"--{key} {s[key]!r}: the directory {parent!r} does not exist")
+    if s.get("plot"):
         from .bench.report import PlotUnavailable, check_plot_available
 
         try:
@@ -379,32 +216,29 @@ def resolve(args: argparse.Namespace):
         except PlotUnavailable as exc:
             raise UsageError(str(exc)) from None
 
+
+def resolve(args: argparse.Namespace):
+    """Validated settings: (BenchConfig, contenders, repeats)."""
+    from .bench.config import FASTTRAIN, LIGER, REFERENCE, BenchConfig, Contender
+
+    s = settings(args)
+    _check(s)
+    generates = s["trainer"] in ("grpo", "rloo")
+    if s["liger"] is None:
+        s["liger"] = s["device"] == "cuda" and not generates and _liger_importable()
     config = BenchConfig(
-        model=model,
-        dataset=args.dataset,
-        device=device,
-        steps=steps,
-        seq_len=seq_len,
-        batch_size=batch,
-        grad_accum=grad_accum,
-        bf16=bf16,
-        seed=args.seed,
-        threads=threads,
-        learning_rate=args.lr,
-        warmup_steps=warmup,
-        group_by_length=group_by_length,
-        trainer_type=trainer_type,
-        lengths=lengths,
-        num_generations=num_generations,
-        max_completion_length=max_completion,
-        completions=args.completions or "sampled",
-    )
+        **{key: s[key] for key in ("model", "dataset", "device", "steps", "seq_len", "batch_size", "grad_accum",
+                                   "bf16", "seed", "threads", "warmup_steps", "group_by_length", "lengths")},
+        learning_rate=s["lr"],
+        trainer_type=s["trainer"],
+        **({key: s[key] for key in _GENERATION_OPTIONS} if generates else {}),
+    )  # fmt: skip
     contenders = [Contender(REFERENCE, REFERENCE), Contender(FASTTRAIN, FASTTRAIN)]
-    if liger:
+    if s["liger"]:
         contenders.insert(1, Contender(LIGER, LIGER))
-    if args.ablate is not None:
-        contenders += [Contender(f"fasttrain-no-{name}", FASTTRAIN, name) for name in _ablated(args.ablate)]
-    return config, contenders, args.repeats
+    if s.get("ablate") is not None:
+        contenders += [Contender(f"fasttrain-no-{name}", FASTTRAIN, name) for name in _ablated(s["ablate"])]
+    return config, contenders, s["repeats"]
 
 
 def _ablated(spec: str) -> list[str]:
@@ -421,17 +255,10 @@ def _ablated(spec: str) -> list[str]:
     return names
 
 
-def _load_average() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return None
-
-
 def announce(config, contenders, repeats: int) -> list[str]:
     """What is about to run, said before the first run (minutes before the table): the runs, their steps and
     the warm-up left out of the timing, the model's size; a warning when no warm-up step is left out."""
-    from .bench.report import NO_WARMUP_NOTE, model_note, plural, warmup_note
+    from .bench.report import NO_WARMUP_NOTE, model_note, plural, rl_note, warmup_note
 
     runs = len(contenders) * repeats
     lines = [
@@ -440,8 +267,6 @@ def announce(config, contenders, repeats: int) -> list[str]:
         f"{warmup_note(config.warmup_steps)}; model {model_note(config.model)}"
     ]
     if config.generates:
-        from .bench.report import rl_note
-
         lines.append(f"fasttrain bench: {rl_note(config)}; generation and training phases timed apart")
     if config.warmup_steps == 0:
         lines.append(f"fasttrain bench: warning: {NO_WARMUP_NOTE}")
@@ -449,7 +274,7 @@ def announce(config, contenders, repeats: int) -> list[str]:
 
 
 def bench(args: argparse.Namespace, argv: list[str]) -> int:
-    from .bench import report, runner, summary
+    from .bench import provenance, report, runner, summary
 
     config, contenders, repeats = resolve(args)
     for line in announce(config, contenders, repeats):
@@ -460,32 +285,24 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
 
         limit = measure_matmul_rate(config.device, config.threads)
     started = time.perf_counter()
-    load_start = _load_average()
-    planned = len(contenders) * repeats
+    origin = provenance.record("liger-kernel")
+    origin["command"] = shlex.join(["fasttrain", *argv])  # argv as given to main(), which may not be sys.argv
 
     def assemble(results, failures, complete: bool) -> dict:
         data = summary.build(results, failures)
-        data["config"] = config.to_json()
-        data["command"] = shlex.join(["fasttrain", *argv])
-        data["wall_s"] = time.perf_counter() - started
-        data["complete"] = complete
+        data.update(provenance=origin, config=config.to_json(), wall_s=time.perf_counter() - started)
         # a failed run counts as done; the skipped repetitions of a failed contender never will be
-        data["runs_done"] = sum(len(runs) for runs in results.values()) + len(failures)
-        data["runs_planned"] = planned
-        if load_start is not None:
-            data["load_average"] = {"start": load_start, "end": _load_average()}
-            during = [
-                r["load_average_during"]
-                for runs in results.values()
-                for r in runs
-                if "load_average_during" in r
-            ]
-            if during:
-                data["load_average"]["during_runs"] = {
-                    "mean": sum(d["mean"] for d in during) / len(during),
-                    "max": max(d["max"] for d in during),
-                }
-        data["environment"] = report.environment(data)
+        done = sum(len(runs) for runs in results.values()) + len(failures)
+        data.update(complete=complete, runs_done=done, runs_planned=len(contenders) * repeats)
+        during = [
+            r["load_average_during"] for runs in results.values() for r in runs if "load_average_during" in r
+        ]
+        data["load_average"] = {"end": provenance.load_average()}
+        if during:
+            data["load_average"]["during_runs"] = {
+                "mean": sum(d["mean"] for d in during) / len(during),
+                "max": max(d["max"] for d in during),
+            }
         if limit is not None:
             from .bench.roofline import percent_of_limit
 
@@ -513,18 +330,13 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
     if args.profile:
         from .bench.profile_runs import profile_contenders
 
-        data["profile"] = profile_contenders(config, contenders, failures, limit, argv, args.profile)
+        data["profile"] = profile_contenders(config, contenders, failures, limit, origin, args.profile)
     write_files(data)
     if args.plot and report.finished_columns(data):
         report.plot(args.plot, config, data)
-    for option, path in (
-        ("json", args.json),
-        ("markdown", args.markdown),
-        ("plot", args.plot),
-        ("profile", args.profile),
-    ):
-        if path:
-            print(f"{option}: {path}", file=sys.stderr)
+    for option in ("json", "markdown", "plot", "profile"):
+        if getattr(args, option):
+            print(f"{option}: {getattr(args, option)}", file=sys.stderr)
     for name, error in failures.items():
         print(f"fasttrain bench: {name}: {error}", file=sys.stderr)
     return 1 if failures else 0

@@ -8,5 +8,6 @@ Layout: ``corpus`` (the stdlib source corpus), ``tokenizer`` (a BPE trained on i
 (built-in Qwen3 shapes), ``data`` (examples), ``config`` (one run's settings), ``worker`` (one training run
 in a child process), ``runner`` (alternating runs, progress), ``summary`` (medians, ratios), ``report``
 (table, JSON, Markdown, plot), ``trl_runs`` (the TRL trainers), ``rl_runs`` (GRPO and RLOO: prompts, completions),
-``rewards`` (their reward functions), ``phases`` (a generating step's generation and training phases, apart).
+``rewards`` (their reward functions), ``phases`` (a generating step's generation and training phases, apart),
+``presets`` (every default), ``provenance`` (where a result came from). How it measures: docs/method.md.
 """

@@ -12,6 +12,7 @@ FASTTRAIN = "fasttrain"
 LIGER = "liger"
 # --trainer kinds whose step generates completions (model.generate) before training on them
 GENERATING_TRAINERS = ("grpo", "rloo")
+_GENERATION_FIELDS = ("num_generations", "max_completion_length", "completions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,12 @@ class BenchConfig:
         return completions // self.num_generations if self.generates else completions
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The settings; GRPO's and RLOO's only where the run generates (elsewhere they would mean nothing)."""
+        out = dataclasses.asdict(self)
+        if not self.generates:
+            for key in _GENERATION_FIELDS:
+                del out[key]
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> BenchConfig:

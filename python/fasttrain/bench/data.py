@@ -153,6 +153,20 @@ def _file_examples(spec: str, tokenizer, seq_len: int, num_examples: int) -> lis
     return examples[:num_examples]
 
 
+def describe_lognormal(upper: int | str, lower: int = MIN_TOKENS) -> str:
+    """The lengths ``lognormal_lengths`` draws, said from its parameters. Clipping keeps order, so the clipped
+    lengths' median is the clipped median: a limit below ``LOGNORMAL_MEDIAN`` moves it (``upper`` may be a name)."""
+    if isinstance(upper, str):
+        return f"log-normal lengths (median {LOGNORMAL_MEDIAN}, sigma {LOGNORMAL_SIGMA}, clipped to {lower}..{upper})"
+    median = min(max(LOGNORMAL_MEDIAN, lower), upper)
+    if median == LOGNORMAL_MEDIAN:
+        return f"log-normal lengths (median {median}, sigma {LOGNORMAL_SIGMA}, {lower}..{upper} tokens)"
+    return (
+        f"log-normal lengths (median {median}: median {LOGNORMAL_MEDIAN}, sigma {LOGNORMAL_SIGMA}, clipped to "
+        f"{lower}..{upper} tokens)"
+    )
+
+
 def lognormal_lengths(count: int, seq_len: int, seed: int) -> list[int]:
     """``count`` lengths from the log-normal distribution of ``--lengths lognormal``, in ``MIN_TOKENS..seq_len``."""
     import numpy as np

@@ -1,10 +1,8 @@
 """The two phases of a GRPO or RLOO step, measured apart: generation and training.
 
-- generation: the time inside the policy's ``model.generate`` (TRL samples the completions there; fasttrain does
-  not touch it). The bench wraps ``generate`` on the model instance, in its own worker: TRL's classes stay as they
-  are, and TRL calls the wrapper because it calls ``unwrapped_model.generate``.
-- training: the rest of the optimizer step: rewards, the reference model's and old policy's log-probs where TRL
-  computes any, the loss forward and backward over prompt + completion tokens, the optimizer step.
+Generation is the time inside the policy's ``model.generate``, wrapped on the model instance in the bench's own
+worker: TRL's classes stay as they are, and TRL calls the wrapper because it calls ``unwrapped_model.generate``.
+Training is the rest of the optimizer step (docs/method.md).
 
 Peak memory per phase: each phase change reads the peak since the last change and resets it, so every moment of
 the run after ``start`` belongs to exactly one phase. On CUDA that is ``max_memory_allocated`` and

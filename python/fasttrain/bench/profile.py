@@ -23,14 +23,6 @@ import resource
 import time
 from typing import Any
 
-CATEGORY_NOTE = (
-    "each operator's self time goes to the first category it matches: optimizer (inside Optimizer.step or "
-    "zero_grad, or a _foreach_ op: the norm and clip passes), attention (inside scaled-dot-product attention), "
-    "LM head (an operand with the vocabulary as its first or last dimension: projection, its gradients, softmax "
-    "and loss), matmuls (the other GEMMs), elementwise and other ops (the rest); outside operators is the step's "
-    "wall time that no operator holds (Python, the Trainer); system CPU time and page faults are the whole "
-    "process's over the step (getrusage) and overlap the rows above"
-)
 CATEGORIES = ("matmuls", "LM head", "attention", "optimizer", "elementwise and other ops")
 OUTSIDE = "outside operators"
 
@@ -142,42 +134,27 @@ class StepProfiler:
 def markdown(profiles: dict[str, dict[str, Any]], matmul_rate: float | None, flops_per_token: dict) -> str:
     """One table: a row per category, a column per contender (seconds and share of the step)."""
     names = list(profiles)
-    lines = [
-        "| one optimizer step | " + " | ".join(names) + " |",
-        "| --- |" + " ---: |" * len(names),
-    ]
 
-    def cell(profile: dict[str, Any], seconds: float) -> str:
-        return f"{seconds:.2f} s ({100 * seconds / profile['step_s']:.0f}%)"
+    def share(p: dict[str, Any], seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds:.2f} s ({100 * seconds / p['step_s']:.0f}%)"
 
-    for key in (*CATEGORIES, OUTSIDE):
-        lines.append(
-            f"| {key} | " + " | ".join(cell(profiles[n], profiles[n]["seconds"][key]) for n in names) + " |"
-        )
-    lines.append("| step (wall) | " + " | ".join(f"{profiles[n]['step_s']:.2f} s" for n in names) + " |")
+    def limit(n: str) -> float | None:  # the step's model FLOPs at the measured GEMM rate
+        return flops_per_token[n] * profiles[n]["tokens"] / matmul_rate if flops_per_token.get(n) else None
+
+    rows = [(key, lambda p, n, key=key: share(p, p["seconds"][key])) for key in (*CATEGORIES, OUTSIDE)]
+    rows.append(("step (wall)", lambda p, n: f"{p['step_s']:.2f} s"))
     if matmul_rate:
-        limits = []
-        for n in names:
-            flops = flops_per_token.get(n)
-            limit = flops * profiles[n]["tokens"] / matmul_rate if flops else None
-            limits.append(
-                "-" if limit is None else f"{limit:.2f} s ({100 * limit / profiles[n]['step_s']:.0f}%)"
-            )
-        lines.append(
-            "| its matmul limit (model FLOPs at the measured GEMM rate) | " + " | ".join(limits) + " |"
+        rows.append(
+            ("its matmul limit (model FLOPs at the measured GEMM rate)", lambda p, n: share(p, limit(n)))
         )
-    lines.append(
-        "| system CPU time, all threads (overlaps the rows above) | "
-        + " | ".join(f"{profiles[n]['system_cpu_s']:.2f} s" for n in names)
-        + " |"
-    )
-    lines.append(
-        "| user CPU time, all threads | "
-        + " | ".join(f"{profiles[n]['user_cpu_s']:.2f} s" for n in names)
-        + " |"
-    )
-    lines.append(
-        "| minor page faults | " + " | ".join(f"{profiles[n]['minor_page_faults']:,}" for n in names) + " |"
-    )
-    lines.append("| tokens in the step | " + " | ".join(f"{profiles[n]['tokens']:,}" for n in names) + " |")
+    rows += [
+        ("system CPU time, all threads (overlaps the rows above)", lambda p, n: f"{p['system_cpu_s']:.2f} s"),
+        ("user CPU time, all threads", lambda p, n: f"{p['user_cpu_s']:.2f} s"),
+        ("minor page faults", lambda p, n: f"{p['minor_page_faults']:,}"),
+        ("tokens in the step", lambda p, n: f"{p['tokens']:,}"),
+    ]
+    lines = ["| one optimizer step | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
+    lines += [
+        f"| {label} | " + " | ".join(cell(profiles[n], n) for n in names) + " |" for label, cell in rows
+    ]
     return "\n".join(lines) + "\n"

@@ -2,18 +2,18 @@
 
 Each trains the warm-up steps and one more, the last under the profiler (bench/profile.py), in its own process like
 every bench run; its timings are not the bench's figures (the profiler slows the step it watches). PATH gets the
-table as Markdown with the machine, versions, command and model; the bench's JSON gets the raw breakdowns.
+table as Markdown under the bench's provenance; the bench's JSON gets the raw breakdowns. How the step's time is
+split: docs/method.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import shlex
 import sys
 import tempfile
 from typing import Any
 
-from . import profile, report, runner
+from . import profile, provenance, report, runner
 from .config import BenchConfig, Contender
 
 
@@ -22,7 +22,7 @@ def profile_contenders(
     contenders: list[Contender],
     failures: dict[str, str],
     limit: dict[str, Any] | None,
-    argv: list[str],
+    origin: dict[str, Any],
     path: str,
 ) -> dict[str, Any]:
     """Profile every contender that did not fail; write ``path``; return what the JSON report keeps."""
@@ -47,21 +47,16 @@ def profile_contenders(
                 shape = shape or result.get("model_shape")
     rate = limit["matmul_flops_per_s"] if limit else None
     table = profile.markdown(profiles, rate, flops) if profiles else "(no contender could be profiled)\n"
-    env = report.environment({})
     lines = [
         "# fasttrain bench --profile",
         "",
-        f"- date (UTC): {env['date_utc']}",
-        f"- machine: {env['cpu']}, {env['cores']} cores, {env['memory_gib']} GiB",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
-        f"- command: `{shlex.join(['fasttrain', *argv])}`",
+        provenance.markdown(origin),
         f"- model {report.model_note(config.model, shape)}; step {profiled.steps} of a run of {profiled.steps} "
         f"(the first {config.warmup_steps} warm up), each contender in its own process",
+        "- how the step's time is split: docs/method.md; the profiler slows the step it watches, so these step "
+        "times are not the bench's figures",
         "",
         table,
-        f"- {profile.CATEGORY_NOTE}",
-        "- operators' self time on the training thread under torch.profiler (record_shapes); the profiler slows "
-        "the step it watches, so these step times are not the bench's figures",
     ]
     if limit:
         lines.append(f"- matmul limit: {limit['measured']}, {limit['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s")

@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import datetime
-import importlib.metadata
 import json
 import math
 import os
-import platform
 from typing import Any
 
 from .config import BenchConfig
 
-_PACKAGES = (
-    "fasttrain",
-    "torch",
-    "transformers",
-    "accelerate",
-    "tokenizers",
-    "datasets",
-    "triton",
-    "liger-kernel",
-    "trl",
-)
 # What the reference and fasttrain columns are, per --trainer
 _SIDES = {
     "transformers": ("transformers.Trainer, optim=adamw_torch_fused", "fasttrain.Trainer"),
@@ -38,53 +24,14 @@ class PlotUnavailable(RuntimeError):
     """``--plot`` without matplotlib."""
 
 
-def cpu_model() -> str:
-    """The CPU's model name, for the provenance of every benchmark result."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _memory_gib() -> float | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def environment(results: dict[str, Any]) -> dict[str, Any]:
-    versions: dict[str, str] = {"python": platform.python_version()}
-    for name in _PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    env = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-        "cpu": cpu_model(),
-        "cores": cores,
-        "memory_gib": round(_memory_gib() or 0.0, 1) or None,
-        "platform": platform.platform(),
-        "versions": versions,
-    }
-    gpu = results.get("reference", {}).get("gpu_name")
-    if gpu:
-        env["gpu"] = gpu
-    return env
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if _missing(value):
         return "n/a"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
-    return str(value)
+    return f"{value:,.{digits}f}" if isinstance(value, float) else str(value)
 
 
 def _hot_paths(summary: dict[str, Any]) -> str:
@@ -114,12 +61,6 @@ NO_WARMUP_NOTE = (
     "(kernel compilation, first allocations, cold caches); run 2 or more --steps (up to 2 are left out by "
     "default) with --warmup-steps unset or at least 1"
 )
-# Which way is better, per ratio: the rows carry it in their label, this line says how to read the parentheses.
-RATIO_LEGEND = (
-    "ratios in parentheses are the contender's value over the reference's: above 1x is better where a row "
-    "says 'higher is better' (tokens/s, tokens per CPU-second), below 1x where it says 'lower is better' "
-    "(step time, memory)"
-)
 
 
 def finished_columns(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -146,8 +87,31 @@ def _first_line(error: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-HIGHER = "higher is better"
-LOWER = "lower is better"
+HIGHER, LOWER = "higher is better", "lower is better"
+# The table's figures: (label, key, digits, key of the ratio against the reference)
+_ROWS = [
+    (f"tokens/s ({HIGHER})", "tokens_per_s", 1, "tokens_per_s_ratio"),
+    (f"step time, s ({LOWER})", "step_time_s", 3, "step_time_ratio"),
+    (f"tokens per CPU-second ({HIGHER})", "tokens_per_cpu_s", 1, "tokens_per_cpu_s_ratio"),
+    (f"peak memory, MB ({LOWER})", "peak_memory_mb", 0, "peak_memory_ratio"),
+    (f"  of which above setup, MB ({LOWER})", "peak_above_setup_mb", 0, "peak_above_setup_ratio"),
+    (f"step at % of its matmul limit ({HIGHER})", "percent_of_matmul_limit", 0, None),
+]
+# GRPO and RLOO: a step in two phases (bench/phases.py), each row naming its phase
+_PHASE_ROWS = [
+    (f"training phase: scored tokens/s ({HIGHER})", "tokens_per_s", 1, "tokens_per_s_ratio"),
+    (f"training phase: s per step ({LOWER})", "training_phase_time_s", 3, "training_phase_time_s_ratio"),
+    (f"training phase: scored tokens per CPU-second ({HIGHER})", "tokens_per_cpu_s", 1, "tokens_per_cpu_s_ratio"),
+    (f"training phase: peak memory, MB ({LOWER})", "training_peak_memory_mb", 0, "training_peak_memory_mb_ratio"),
+    (f"  of which above setup, MB ({LOWER})", "training_peak_above_setup_mb", 0,
+     "training_peak_above_setup_mb_ratio"),
+    (f"generation: completion tokens/s ({HIGHER})", "generation_tokens_per_s", 1, "generation_tokens_per_s_ratio"),
+    (f"generation: s per step ({LOWER})", "generation_time_s", 3, "generation_time_s_ratio"),
+    (f"generation: peak memory, MB ({LOWER})", "generation_peak_memory_mb", 0, "generation_peak_memory_mb_ratio"),
+    (f"whole step: s per step ({LOWER})", "step_time_s", 3, "step_time_ratio"),
+    (f"whole step: scored tokens/s ({HIGHER})", "step_tokens_per_s", 1, "step_tokens_per_s_ratio"),
+    (f"whole run: peak memory, MB ({LOWER})", "peak_memory_mb", 0, "peak_memory_ratio"),
+]  # fmt: skip
 
 
 def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -171,42 +135,32 @@ def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             cells.append(cell)
         return cells
 
-    if _has_phases(data):
-        table = _phase_lines(line, synthetic=data.get("config", {}).get("completions") == "synthetic")
-    else:
-        table = [
-            line(f"tokens/s ({HIGHER})", "tokens_per_s", 1, "tokens_per_s_ratio"),
-            line(f"step time, s ({LOWER})", "step_time_s", 3, "step_time_ratio"),
-            line(f"tokens per CPU-second ({HIGHER})", "tokens_per_cpu_s", 1, "tokens_per_cpu_s_ratio"),
-            line(f"peak memory, MB ({LOWER})", "peak_memory_mb", 0, "peak_memory_ratio"),
-            line(f"  of which above setup, MB ({LOWER})", "peak_above_setup_mb", 0, "peak_above_setup_ratio"),
-        ]
-        if "matmul_limit" in data:
-            table.append(line(f"step at % of its matmul limit ({HIGHER})", "percent_of_matmul_limit", 0))
+    synthetic = data.get("config", {}).get("completions") == "synthetic"
+    figures = _PHASE_ROWS if _has_phases(data) else _ROWS[: 6 if "matmul_limit" in data else 5]
+    # synthetic completions: no generation rows (their "generation" draws random numbers)
+    table = [line(*row) for row in figures if not (synthetic and row[0].startswith("generation:"))]
     table.append(line("final loss", "final_loss", 4))
-    diff = ["largest per-step loss diff vs reference (abs / rel)"]
-    worst = ["largest per-step metric diff vs reference (rel, metric)"]
-    floor = ["largest loss diff between own repetitions"]
-    for name, summary in columns:
-        vs = comparison.get(f"{name}_vs_reference")
-        if summary is None:
-            diff.append("failed")
-            worst.append("failed")
-            floor.append("failed")
-            continue
-        if vs is None:
-            diff.append("-")
-            worst.append("-")
-        else:
-            d = vs["loss_difference"]
-            diff.append(f"{_sci(d['max_abs'])} / {_sci(d['max_rel'])}".replace("n/a / n/a", "n/a"))
-            w = vs.get("largest_metric_difference") or {}
-            if w.get("metric"):
-                worst.append(f"{_sci(w.get('max_rel'))} ({w['metric']})")
-            else:
-                worst.append("0 (every metric equal)" if w.get("max_rel") == 0 else "n/a")
-        floor.append(_sci(summary["loss_difference_between_repetitions"]))
-    table += [diff, worst, floor, ["hot paths", *[_hot_paths(s) if s else "failed" for _, s in columns]]]
+
+    def worst(w: dict[str, Any]) -> str:
+        if w.get("metric"):
+            return f"{_sci(w.get('max_rel'))} ({w['metric']})"
+        return "0 (every metric equal)" if w.get("max_rel") == 0 else "n/a"
+
+    def agreement(label: str, cell) -> list[str]:
+        cells = [label]
+        for name, summary in columns:
+            vs = comparison.get(f"{name}_vs_reference")
+            cells.append("failed" if summary is None else cell(summary, vs))
+        return cells
+
+    table += [
+        agreement("largest per-step loss diff vs reference (abs / rel)",
+                  lambda s, vs: "-" if vs is None else _abs_rel(vs["loss_difference"]).replace("n/a / n/a", "n/a")),
+        agreement("largest per-step metric diff vs reference (rel, metric)",
+                  lambda s, vs: "-" if vs is None else worst(vs.get("largest_metric_difference") or {})),
+        agreement("largest loss diff between own repetitions",
+                  lambda s, vs: _sci(s["loss_difference_between_repetitions"])),
+    ]  # fmt: skip
     if failed:
         table.append(["error", *[_first_line(failed[n]) if n in failed else "-" for n, _ in columns]])
     return header, table
@@ -217,89 +171,24 @@ def _has_phases(data: dict[str, Any]) -> bool:
     return any("phases" in summary for _, summary in finished_columns(data))
 
 
-def _phase_lines(line, synthetic: bool = False) -> list[list[str]]:
-    """The table's figures for a step in two phases, each row naming its phase; with synthetic completions no
-    generation rows (their "generation" draws random numbers)."""
-    rows = [
-        line(f"training phase: scored tokens/s ({HIGHER})", "tokens_per_s", 1, "tokens_per_s_ratio"),
-        line(
-            f"training phase: s per step ({LOWER})", "training_phase_time_s", 3, "training_phase_time_s_ratio"
-        ),
-        line(
-            f"training phase: scored tokens per CPU-second ({HIGHER})",
-            "tokens_per_cpu_s",
-            1,
-            "tokens_per_cpu_s_ratio",
-        ),
-        line(
-            f"training phase: peak memory, MB ({LOWER})",
-            "training_peak_memory_mb",
-            0,
-            "training_peak_memory_mb_ratio",
-        ),
-        line(
-            f"  of which above setup, MB ({LOWER})",
-            "training_peak_above_setup_mb",
-            0,
-            "training_peak_above_setup_mb_ratio",
-        ),
-        line(
-            f"generation: completion tokens/s ({HIGHER})",
-            "generation_tokens_per_s",
-            1,
-            "generation_tokens_per_s_ratio",
-        ),
-        line(f"generation: s per step ({LOWER})", "generation_time_s", 3, "generation_time_s_ratio"),
-        line(
-            f"generation: peak memory, MB ({LOWER})",
-            "generation_peak_memory_mb",
-            0,
-            "generation_peak_memory_mb_ratio",
-        ),
-        line(f"whole step: s per step ({LOWER})", "step_time_s", 3, "step_time_ratio"),
-        line(f"whole step: scored tokens/s ({HIGHER})", "step_tokens_per_s", 1, "step_tokens_per_s_ratio"),
-        line(f"whole run: peak memory, MB ({LOWER})", "peak_memory_mb", 0, "peak_memory_ratio"),
-    ]
-    return [row for row in rows if not (synthetic and row[0].startswith("generation:"))]
-
-
 def rl_note(config: BenchConfig) -> str:
     """What one GRPO or RLOO step does: prompts, completions, where they come from."""
+    from .data import describe_lognormal
+    from .models import BUILTIN_SHAPES
     from .rl_runs import STOP_IDS, SYNTHETIC
 
-    completions = config.batch_size * config.grad_accum
-    prompts = completions // config.num_generations
+    prompts = config.batch_size * config.grad_accum // config.num_generations
     if config.completions == SYNTHETIC:
-        source = "synthetic: model.generate replaced by random tokens of log-normal lengths (median 180), no model call"
+        source = f"synthetic ({describe_lognormal(config.max_completion_length, lower=1)}, no model call)"
     else:
-        source = "sampled by TRL with model.generate (temperature 1, no top-k/top-p, seeded by --seed)"
-        if config.model in _builtin_names():
-            source += (
-                f"; the random-init model gets {STOP_IDS} extra end-of-completion ids (generation_config."
-                "eos_token_id, both sides alike), so lengths vary below the limit"
-            )
+        source = "sampled by TRL's model.generate, seeded"
+        if config.model in BUILTIN_SHAPES:
+            source += f", {STOP_IDS} extra end-of-completion ids"
     return (
         f"each optimizer step: {plural(prompts, 'prompt')} x {config.num_generations} completions (batch "
-        f"{config.batch_size} completions x grad-accum {config.grad_accum}), completions up to "
-        f"{config.max_completion_length} tokens, {source}; rewards: length_reward, distinct_tokens_reward "
-        "(fasttrain/bench/rewards.py)"
+        f"{config.batch_size} x grad-accum {config.grad_accum}), completions up to "
+        f"{config.max_completion_length} tokens, {source}"
     )
-
-
-def _builtin_names() -> tuple[str, ...]:
-    from .models import BUILTIN_SHAPES
-
-    return tuple(BUILTIN_SHAPES)
-
-
-PHASES_NOTE = (
-    "phases: generation = the time inside model.generate (TRL samples the completions there; fasttrain does not "
-    "touch it, and both sides sample the same completions, so a generation ratio away from 1x is the machine's "
-    "noise); training = the rest of each optimizer step (rewards, the reference model's log-probs where TRL "
-    "computes them, the loss forward and backward, the optimizer step). Training-phase tokens/s = prompt + "
-    "completion tokens through the policy's loss forwards (attention mask) / training-phase time; generation "
-    "tokens/s = completion tokens kept (up to the first end-of-completion id) / generation time"
-)
 
 
 def _mean_completion(config: BenchConfig, summary: dict[str, Any]) -> str:
@@ -318,14 +207,15 @@ def metric_rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         if f"{name}_vs_reference" in data["comparison"]
     }
     metrics = sorted({metric for per_metric in differences.values() for metric in per_metric})
-    table = []
-    for metric in metrics:
-        cells = [metric]
-        for per_metric in differences.values():
-            d = per_metric.get(metric)
-            cells.append("n/a" if d is None else f"{_sci(d['max_abs'])} / {_sci(d['max_rel'])}")
-        table.append(cells)
+    table = [
+        [metric, *[_abs_rel(per_metric.get(metric)) for per_metric in differences.values()]]
+        for metric in metrics
+    ]
     return ["metric", *differences], table
+
+
+def _abs_rel(difference: dict[str, Any] | None) -> str:
+    return "n/a" if difference is None else f"{_sci(difference['max_abs'])} / {_sci(difference['max_rel'])}"
 
 
 def share_rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -338,36 +228,29 @@ def share_rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         "peak memory without it (MB)",
         "fasttrain's peak with it (ratio)",
     ]
-    fasttrain = data.get("fasttrain") or {}
-    table = []
-    for path, share in (data.get("shares") or {}).items():
-        table.append(
-            [
-                path,
-                _fmt(share["tokens_per_s_without"], 1),
-                f"{_fmt(fasttrain.get('tokens_per_s'), 1)} ({_ratio(share['speedup'])})",
-                _ratio(share["tokens_per_cpu_s_speedup"]),
-                _fmt(share["peak_memory_mb_without"], 0),
-                f"{_fmt(fasttrain.get('peak_memory_mb'), 0)} ({_ratio(share['peak_memory_ratio'])})",
-            ]
-        )
+    ours = data.get("fasttrain") or {}
+    table = [
+        [path, _fmt(share["tokens_per_s_without"], 1),
+         f"{_fmt(ours.get('tokens_per_s'), 1)} ({_ratio(share['speedup'])})", _ratio(share["tokens_per_cpu_s_speedup"]),
+         _fmt(share["peak_memory_mb_without"], 0),
+         f"{_fmt(ours.get('peak_memory_mb'), 0)} ({_ratio(share['peak_memory_ratio'])})"]
+        for path, share in (data.get("shares") or {}).items()
+    ]  # fmt: skip
     return header, table
 
 
 def _ratio(value: Any) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "n/a"
-    return f"{value:.2f}x"
+    return "n/a" if _missing(value) else f"{value:.2f}x"
 
 
 def _sci(value: Any) -> str:
     """Small loss differences are the point: scientific notation, never rounded to zero first."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "n/a"
-    return f"{float(value):.2e}"
+    return "n/a" if _missing(value) else f"{float(value):.2e}"
 
 
 def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
+    """The run-specific lines under the table: what ran, what was left out, the run's status. How each figure
+    is measured is written once, in docs/method.md."""
     finished = finished_columns(data)
     if not finished:
         return ["no run finished", *_progress_note(data)]
@@ -375,52 +258,31 @@ def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
     dtype = "bf16 weights + bf16=True" if config.bf16 else "fp32"
     reference_side, fasttrain_side = _SIDES[config.trainer_type]
     phases = _has_phases(data)
+    lengths = _lengths_note(config, "prompts" if phases else "sequences")
     if phases:
-        shape = f"{plural(config.steps, 'step')}, {_prompts_note(config)}" + _mean_completion(
-            config, reference
-        )
+        shape = f"{plural(config.steps, 'step')}, {lengths}" + _mean_completion(config, reference)
     else:
-        shape = (
-            f"{plural(config.steps, 'step')} x batch {config.batch_size} x grad-accum {config.grad_accum}, "
-            f"{_lengths_note(config)} (batched as each Trainer's collator does: padded per batch unless a "
-            f"packing hot path is on; {'grouped by length' if config.group_by_length else 'not grouped by length'})"
-        )
-    memory = f"memory: {reference['memory_kind']}; 'above setup' subtracts the value right after the model and data were built"
-    if phases:
-        memory += (
-            "; each phase's peak is the highest value while that phase ran (the peak is read and reset at every "
-            "change of phase), the whole run's includes the setup"
-        )
+        grouped = "grouped by length" if config.group_by_length else "not grouped by length"
+        shape = f"{plural(config.steps, 'step')} x batch {config.batch_size} x grad-accum {config.grad_accum}, {lengths}, {grouped}"
+    excluded = reference["warmup_steps_excluded"]
+    limit = data.get("matmul_limit")
     return [
         f"reference: {reference_side}; fasttrain: {fasttrain_side}",
         f"model {model_note(config.model, reference.get('model_shape'))}, dataset {config.dataset}, "
         f"device {config.device}, {dtype}, {shape}, "
         f"seed {config.seed}" + (f", {config.threads} CPU threads" if config.device == "cpu" else ""),
-        *([rl_note(config), PHASES_NOTE] if phases else []),
-        f"{plural(reference['repetitions'], 'repetition')} per contender, alternating, each in its own process; "
-        "medians shown; tokens/s, step time and tokens per CPU-second count non-padding tokens; "
-        + warmup_note(reference["warmup_steps_excluded"]),
-        *([f"WARNING: {NO_WARMUP_NOTE}"] if reference["warmup_steps_excluded"] == 0 else []),
-        memory,
-        RATIO_LEGEND,
-        "the loss and metric differences are the largest over all steps, relative to the reference's value at "
-        "that step where it is above 1e-6 in magnitude (nearer zero: absolute only) (every numeric value the Trainer "
-        "logs at each step, timings left out)",
-        *_share_note(data),
-        *_limit_note(data),
+        *([rl_note(config)] if phases else []),
+        f"{plural(reference['repetitions'], 'repetition')} per contender, medians; {warmup_note(excluded)}; "
+        f"memory: {reference['memory_kind']}",
+        *([f"WARNING: {NO_WARMUP_NOTE}"] if excluded == 0 else []),
+        *(
+            [f"matmul limit: {limit['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s ({limit['measured']})"]
+            if limit
+            else []
+        ),
         *_load_note(data),
         *_progress_note(data),
-    ]
-
-
-def _limit_note(data: dict[str, Any]) -> list[str]:
-    limit = data.get("matmul_limit")
-    if not limit:
-        return []
-    return [
-        "matmul limit: the model's FLOPs per trained token (6 x parameters + causal attention, from the shapes) x "
-        f"tokens/s over this machine's GEMM rate, {limit['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s "
-        f"({limit['measured']}, measured at the start): 100% would be a step spent entirely in GEMMs at full speed"
+        "how each figure is measured: docs/method.md",
     ]
 
 
@@ -433,7 +295,7 @@ def warmup_note(excluded: int) -> str:
 
 def model_note(model: str, shape: dict[str, Any] | None = None) -> str:
     """'tiny (hidden 32, 1 layer, ...)': the shape the run recorded, else a built-in's own; a name alone when
-    neither is known (results written before shapes were recorded, a model that failed to load)."""
+    neither is known (a model that failed to load)."""
     from .models import BUILTIN_SHAPES, builtin_summary, describe_summary
 
     if shape is None and model in BUILTIN_SHAPES:
@@ -441,33 +303,12 @@ def model_note(model: str, shape: dict[str, Any] | None = None) -> str:
     return f"{model} ({describe_summary(shape)})" if shape else model
 
 
-def _lengths_note(config: BenchConfig) -> str:
-    from .data import LOGNORMAL, LOGNORMAL_MEDIAN, LOGNORMAL_SIGMA, MIN_TOKENS
+def _lengths_note(config: BenchConfig, what: str) -> str:
+    from .data import LOGNORMAL, describe_lognormal
 
-    if getattr(config, "lengths", "natural") == LOGNORMAL:
-        return (
-            f"example lengths log-normal (median {LOGNORMAL_MEDIAN}, sigma {LOGNORMAL_SIGMA}, "
-            f"{MIN_TOKENS}..{config.seq_len} tokens)"
-        )
-    return f"sequences up to {config.seq_len} tokens (the data's natural lengths)"
-
-
-def _prompts_note(config: BenchConfig) -> str:
-    from .data import LOGNORMAL, LOGNORMAL_MEDIAN, MIN_TOKENS
-
-    if getattr(config, "lengths", "natural") == LOGNORMAL:
-        return f"prompts of log-normal lengths (median {LOGNORMAL_MEDIAN}, {MIN_TOKENS}..{config.seq_len} tokens)"
-    return f"prompts up to {config.seq_len} tokens (the data's natural lengths)"
-
-
-def _share_note(data: dict[str, Any]) -> list[str]:
-    if not data.get("shares"):
-        return []
-    return [
-        "each hot path's share (table below): fasttrain with every path on against fasttrain with that one "
-        "path off (FASTTRAIN_DISABLE=<path>), medians of each; a speed-up above 1 is what the path adds, a "
-        "peak ratio below 1 the memory it saves"
-    ]
+    if config.lengths == LOGNORMAL:
+        return f"{what}: {describe_lognormal(config.seq_len)}"
+    return f"{what} up to {config.seq_len} tokens (the data's natural lengths)"
 
 
 def _progress_note(data: dict[str, Any]) -> list[str]:
@@ -487,83 +328,74 @@ def _progress_note(data: dict[str, Any]) -> list[str]:
 
 def _load_note(data: dict[str, Any]) -> list[str]:
     """Other work on the machine slows both sides but makes wall-time ratios noisy: say how loaded it was."""
-    load = data.get("load_average")
-    cores = data.get("environment", {}).get("cores")
-    if not load or not cores:
+    origin = data.get("provenance") or {}
+    start, cores = origin.get("load_1min_at_start"), (origin.get("machine") or {}).get("cores")
+    load = data.get("load_average") or {}
+    if start is None or load.get("end") is None or not cores:
         return []
-    note = f"machine load average (1 min) at start / end: {load['start']:.1f} / {load['end']:.1f} on {cores} cores"
+    note = f"machine load average (1 min) at start / end: {start:.1f} / {load['end']:.1f} on {cores} cores"
     during = load.get("during_runs")
-    highest = max(load["start"], load["end"])
+    highest = max(start, load["end"])
     if during:  # sampled every few seconds while the runs ran: the runs themselves count up to their threads
         note += f"; during the runs: mean {during['mean']:.1f}, highest {during['max']:.1f}"
         highest = max(highest, during["mean"])
     if highest > cores:
-        note += (
-            " -- other processes competed for the CPU, so wall-time figures are noisy; "
-            "tokens per CPU-second is much less affected"
-        )
+        note += " -- other processes competed for the CPU: wall-time figures are noisy, tokens per CPU-second less so"
     return [note]
 
 
-def text_table(config: BenchConfig, data: dict[str, Any]) -> str:
-    header, table = rows(data)
-    widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in [header, *table]
+def status_lines(data: dict[str, Any]) -> list[str]:
+    """Each fasttrain contender's hot-path status, one line each under the table (as a table cell it made the
+    table hundreds of characters wide)."""
+    return [
+        f"hot paths, {name}: {_hot_paths(summary)}"
+        for name, summary in finished_columns(data)
+        if summary["trainer"] == "fasttrain" or summary.get("hot_paths")
     ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+
+
+def _aligned(header: list[str], table: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *table]]
+    return [lines[0], "  ".join("-" * w for w in widths), *lines[1:]]
+
+
+def _markdown_table(header: list[str], table: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join([" --- "] + [" ---: "] * (len(header) - 1)) + "|",
+        *["| " + " | ".join(cell.replace("|", "/") for cell in r) + " |" for r in table],
+        "",
+    ]
+
+
+SHARES_TITLE = "Each hot path's share (fasttrain with every path on vs with that one off)"
+METRICS_TITLE = "Largest per-step difference from the reference, per logged metric (abs / rel)"
+
+
+def text_table(config: BenchConfig, data: dict[str, Any]) -> str:
+    lines = _aligned(*rows(data))
     header, table = share_rows(data)
     if table:
-        widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
-        shares = [
-            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *table]
-        ]
-        shares.insert(1, "  ".join("-" * w for w in widths))
-        lines += ["", "Each hot path's share (fasttrain with it vs without it):", *shares]
-    return "\n".join([*lines, "", *describe(config, data)])
+        lines += ["", f"{SHARES_TITLE}:", *_aligned(header, table)]
+    return "\n".join([*lines, "", *status_lines(data), *describe(config, data)])
 
 
 def markdown(config: BenchConfig, data: dict[str, Any], title: str = "fasttrain bench") -> str:
-    header, table = rows(data)
-    env = data["environment"]
-    versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items())
-    machine = f"{env['cpu']}, {env['cores']} cores, {env['memory_gib']} GiB"
-    if env.get("gpu"):
-        machine = f"{env['gpu']}; host: {machine}"
+    from .provenance import markdown as provenance_lines
+
     out = [
         f"# {title}",
         "",
-        f"- date (UTC): {env['date_utc']}",
-        f"- machine: {machine}",
-        f"- versions: {versions}",
-        f"- command: `{data['command']}`",
+        provenance_lines(data["provenance"]),
         f"- total wall time: {data['wall_s']:.0f} s",
         "",
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join([" --- "] + [" ---: "] * (len(header) - 1)) + "|",
     ]
-    out += ["| " + " | ".join(cell.replace("|", "/") for cell in r) + " |" for r in table]
-    out += ["", *[f"- {line}" for line in describe(config, data)], ""]
-    header, table = share_rows(data)
-    if table:
-        out += [
-            "## Each hot path's share (fasttrain with every path on vs with that one off)",
-            "",
-            "| " + " | ".join(header) + " |",
-            "|" + "|".join([" --- "] + [" ---: "] * (len(header) - 1)) + "|",
-            *["| " + " | ".join(r) + " |" for r in table],
-            "",
-        ]
-    header, table = metric_rows(data)
-    if table:
-        out += [
-            "## Largest per-step difference from the reference, per logged metric (abs / rel)",
-            "",
-            "| " + " | ".join(header) + " |",
-            "|" + "|".join([" --- "] + [" ---: "] * (len(header) - 1)) + "|",
-            *["| " + " | ".join(r) + " |" for r in table],
-            "",
-        ]
+    out += _markdown_table(*rows(data))
+    out += [*[f"- {line}" for line in [*status_lines(data), *describe(config, data)]], ""]
+    for name, (header, table) in ((SHARES_TITLE, share_rows(data)), (METRICS_TITLE, metric_rows(data))):
+        if table:
+            out += [f"## {name}", "", *_markdown_table(header, table)]
     return "\n".join(out)
 
 

@@ -7,17 +7,14 @@ sizes the bench sets: ``num_generations`` completions per prompt of at most ``ma
 ``--batch-size`` completions per micro-batch (TRL's ``per_device_train_batch_size``), so each optimizer step
 trains on ``batch_size x grad_accum / num_generations`` prompts, all generated at the step's start.
 
-- Prompts: the bench's token-id examples (``--lengths``, up to ``--seq-len`` tokens), decoded to text.
-- Rewards: ``bench/rewards.py`` (cheap, deterministic functions of the completion's ids).
+Prompts are the bench's token-id examples decoded to text; rewards are ``bench/rewards.py``.
 - Completions, ``--completions sampled`` (the default): TRL's ``model.generate``, sampling seeded by ``--seed``
   (both sides alike). A built-in model at random initialisation would never stop before the limit (its one
   end-of-text id has a chance of about 1 in 151,936 per token), so the bench gives it ``STOP_IDS`` more ids that end
   a completion (``generation_config.eos_token_id``, which TRL reads for both generation and masking): a completion
   then ends with a chance of about ``(STOP_IDS + 1) / 151,936`` per token, so lengths are roughly geometric, median
   about 175 tokens, about 1 in 8 reaching a 512-token limit. A checkpoint keeps its own end-of-text ids.
-- ``--completions synthetic``: ``model.generate`` replaced on the instance by random tokens of log-normal lengths
-  (median ``data.LOGNORMAL_MEDIAN``, up to the limit), no model call: the training phase alone, at sizes where
-  sampling would take long (the GPU step).
+- ``--completions synthetic``: ``model.generate`` replaced on the instance (``synthetic_generate``).
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .config import FASTTRAIN, BenchConfig, Contender, training_kwargs
+from .config import BenchConfig, Contender, training_kwargs
 from .rewards import REWARD_FUNCS
 
 SAMPLED = "sampled"
@@ -108,10 +105,7 @@ def build_trainer(
 
     from . import models
 
-    if contender.trainer == FASTTRAIN:
-        import fasttrain
-
-        fasttrain.patch()
+    # under fasttrain.patch() already for the fasttrain side (trl_runs.build_trainer)
     trainer_cls, args_cls = {
         "grpo": (trl.GRPOTrainer, trl.GRPOConfig),
         "rloo": (trl.RLOOTrainer, trl.RLOOConfig),

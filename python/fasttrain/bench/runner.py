@@ -10,6 +10,7 @@ caller hears of it (``on_run``) so that it can write what finished: a run cut sh
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .config import BenchConfig, Contender, dump
+from .provenance import load_average
 
 _POLL_S = 0.2
 _LOG_TAIL_LINES = 30
@@ -98,15 +100,13 @@ def run_one(
                 if code is not None:
                     break
                 if time.monotonic() >= next_load:
-                    loads.append(_load_average())
+                    loads.append(load_average())
                     next_load = time.monotonic() + _LOAD_EVERY_S
                 time.sleep(_POLL_S)
         except BaseException:  # Ctrl-C or a failing callback: do not leave the child training
             child.kill()
             child.wait()
             raise
-    import json
-
     result: dict[str, Any] = {}
     if os.path.exists(result_path):
         with open(result_path, encoding="utf-8") as handle:
@@ -126,13 +126,6 @@ def run_one(
             "samples": len(loads),
         }
     return result
-
-
-def _load_average() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return None
 
 
 Results = dict[str, list[dict[str, Any]]]

@@ -112,12 +112,17 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def _ratio(numerator: dict[str, Any], denominator: dict[str, Any], key: str) -> float:
+    """``numerator[key] / denominator[key]``; NaN where either is missing, NaN or the denominator zero."""
+    base, value = denominator.get(key), numerator.get(key)
+    if not base or value is None or math.isnan(base) or math.isnan(value):
+        return float("nan")
+    return value / base
+
+
 def compare(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     def ratio(key: str) -> float:
-        base, value = reference.get(key), other.get(key)
-        if not base or value is None or math.isnan(base) or math.isnan(value):
-            return float("nan")
-        return value / base
+        return _ratio(other, reference, key)
 
     phases = {f"{key}_ratio": ratio(key) for key in PHASE_KEYS if key in reference and key in other}
     return {
@@ -172,20 +177,12 @@ def shares(fasttrain: dict[str, Any], ablations: dict[str, dict[str, Any]]) -> d
     for name, without in ablations.items():
         if not name.startswith(ABLATION_PREFIX):
             continue
-
-        def ratio(key: str, without=without) -> float:
-            base = without.get(key)
-            value = fasttrain.get(key)
-            if not base or value is None or math.isnan(base) or math.isnan(value):
-                return float("nan")
-            return value / base
-
         out[name[len(ABLATION_PREFIX) :]] = {
             "tokens_per_s_without": without["tokens_per_s"],
-            "speedup": ratio("tokens_per_s"),
-            "tokens_per_cpu_s_speedup": ratio("tokens_per_cpu_s"),
+            "speedup": _ratio(fasttrain, without, "tokens_per_s"),
+            "tokens_per_cpu_s_speedup": _ratio(fasttrain, without, "tokens_per_cpu_s"),
             "peak_memory_mb_without": without["peak_memory_mb"],
-            "peak_memory_ratio": ratio("peak_memory_mb"),
-            "peak_above_setup_ratio": ratio("peak_above_setup_mb"),
+            "peak_memory_ratio": _ratio(fasttrain, without, "peak_memory_mb"),
+            "peak_above_setup_ratio": _ratio(fasttrain, without, "peak_above_setup_mb"),
         }
     return out

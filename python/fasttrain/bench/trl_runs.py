@@ -6,14 +6,8 @@ calls ``fasttrain.patch()`` first, as a TRL user would. TRL's own defaults stay 
 checkpointing on), so the comparison is what such a user gets. TRL is imported here, lazily: it is a bench and
 test dependency, never one of fasttrain's.
 
-Data, from the bench's token-id examples (same ids, same order on both sides):
-
-- SFT: prompt/completion rows, pre-tokenized as ``input_ids`` + ``completion_mask`` (the first 10-60% of each
-  example is the prompt), trained completion-only (``completion_only_loss=True``);
-- DPO: preference rows as text: the prompt is the start of one example, ``chosen`` its own continuation,
-  ``rejected`` the continuation of the next example; DPO's frozen reference model has the same initial weights.
-- KTO: the same rows unpaired (``prompt``/``completion``/``label``): even rows keep the chosen completion (desirable),
-  odd rows the rejected one (undesirable), so the two kinds are balanced; a reference model like DPO's.
+Data, from the bench's token-id examples (same ids, same order on both sides): ``sft_rows``, ``preference_rows``
+(DPO), ``unpaired_rows`` (KTO); docs/method.md says what each holds.
 """
 
 from __future__ import annotations
@@ -84,47 +78,37 @@ def build_trainer(
     import datasets
     import trl
 
-    if config.generates:
-        from . import rl_runs
-
-        return rl_runs.build_trainer(config, contender, model, tokenizer, examples, output_dir, callback)
     if contender.trainer == FASTTRAIN:
         import fasttrain
 
         fasttrain.patch()  # FASTTRAIN_DISABLE (ablation runs) still switches paths off
+    if config.generates:
+        from . import rl_runs
+
+        return rl_runs.build_trainer(config, contender, model, tokenizer, examples, output_dir, callback)
     if config.trainer_type == "sft":
-        kwargs = training_kwargs(config, contender, output_dir, trl.SFTConfig)
-        args = trl.SFTConfig(**kwargs, max_length=config.seq_len, packing=False, completion_only_loss=True)
-        train_dataset = datasets.Dataset.from_dict(sft_rows(examples, config.seed))
-        return trl.SFTTrainer(
-            model=model,
-            args=args,
-            train_dataset=train_dataset,
-            processing_class=tokenizer,
-            callbacks=[callback],
+        args = trl.SFTConfig(
+            **training_kwargs(config, contender, output_dir, trl.SFTConfig),
+            max_length=config.seq_len,
+            packing=False,
+            completion_only_loss=True,
         )
-    if config.trainer_type == "dpo":
-        kwargs = training_kwargs(config, contender, output_dir, trl.DPOConfig)
-        args = trl.DPOConfig(**kwargs, max_length=config.seq_len)
-        rows = preference_rows(examples, tokenizer, config.seq_len, config.seed)
-        return trl.DPOTrainer(
-            model=model,
-            ref_model=ref_model,
-            args=args,
-            train_dataset=datasets.Dataset.from_dict(rows),
-            processing_class=tokenizer,
-            callbacks=[callback],
+        rows, references = sft_rows(examples, config.seed), {}
+    else:  # DPO and KTO: text rows, and a frozen reference model
+        trainer_cls, args_cls, make_rows = {
+            "dpo": (trl.DPOTrainer, trl.DPOConfig, preference_rows),
+            "kto": (trl.KTOTrainer, trl.KTOConfig, unpaired_rows),
+        }[config.trainer_type]
+        args = args_cls(**training_kwargs(config, contender, output_dir, args_cls), max_length=config.seq_len)
+        rows, references = (
+            make_rows(examples, tokenizer, config.seq_len, config.seed),
+            {"ref_model": ref_model},
         )
-    if config.trainer_type == "kto":
-        kwargs = training_kwargs(config, contender, output_dir, trl.KTOConfig)
-        args = trl.KTOConfig(**kwargs, max_length=config.seq_len)
-        rows = unpaired_rows(examples, tokenizer, config.seq_len, config.seed)
-        return trl.KTOTrainer(
-            model=model,
-            ref_model=ref_model,
-            args=args,
-            train_dataset=datasets.Dataset.from_dict(rows),
-            processing_class=tokenizer,
-            callbacks=[callback],
-        )
-    raise ValueError(f"unknown trainer type {config.trainer_type!r}")
+    return (trl.SFTTrainer if config.trainer_type == "sft" else trainer_cls)(
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_dict(rows),
+        processing_class=tokenizer,
+        callbacks=[callback],
+        **references,
+    )

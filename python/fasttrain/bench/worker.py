@@ -11,7 +11,6 @@ import dataclasses
 import itertools
 import json
 import os
-import platform
 import re
 import resource
 import sys
@@ -372,7 +371,6 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         result.update(phase_results(meter, result, cpu_times, warmup))
     if profiler is not None:
         result["profile"] = profiler.result()
-    result["python"] = platform.python_version()
     return result
 
 
