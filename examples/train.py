@@ -8,6 +8,9 @@ the script's own:
     --dataset_name NAME         a dataset with a ``text`` column (default: random token rows, no download)
     --max_length N              tokens per example (default 128)
 
+``--seed`` (a TrainingArguments flag) seeds the model's initialisation and the random rows: two runs with the
+same seed log the same values.
+
     python examples/train.py --output_dir out --max_steps 20
     accelerate launch --config_file examples/accelerate/fsdp2_full_shard.yaml examples/train.py --output_dir out
 
@@ -67,6 +70,9 @@ def random_rows(n: int, vocab: int, max_length: int, seed: int) -> datasets.Data
 def main() -> None:
     parser = transformers.HfArgumentParser((ScriptArguments, transformers.TrainingArguments))
     script, args = parser.parse_args_into_dataclasses()
+    # The Trainer seeds itself only once it is built; the model's random initialisation comes first, so seed it
+    # here or two runs with the same --seed start from different weights
+    transformers.set_seed(args.seed)
     if script.model_name_or_path is None:
         model, vocab = tiny_model()
         tokenizer = tiny_tokenizer(vocab)

@@ -113,15 +113,29 @@ def test_deepspeed_json_is_filled_by_transformers(path, tmp_path):
     assert config.config["zero_optimization"]["stage"] == int(path.stem[-1])
 
 
-def test_train_script_runs_with_every_hot_path(tmp_path):
+def test_train_script_runs_with_every_hot_path_and_repeats_itself(tmp_path):
+    """Two runs with the same --seed log the same per-step values: the model's initialisation is seeded too."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(EXAMPLES / "train.py"), "--output_dir", str(tmp_path), "--max_steps", "2",
-           "--per_device_train_batch_size", "2", "--rows", "8", "--max_length", "16", "--use_cpu",
-           "--report_to", "none", "--save_strategy", "no", "--train_sampling_strategy", "group_by_length",
-           "--disable_tqdm", "true"]  # fmt: skip
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    status_line = next(line for line in done.stdout.splitlines() if line.startswith("fasttrain status:"))
+    runs = []
+    for run in ("a", "b"):  # at once: most of each run is imports
+        cmd = [sys.executable, str(EXAMPLES / "train.py"), "--output_dir", str(tmp_path / run), "--max_steps", "2",
+               "--per_device_train_batch_size", "2", "--rows", "8", "--max_length", "16", "--use_cpu",
+               "--report_to", "none", "--save_strategy", "no", "--train_sampling_strategy", "group_by_length",
+               "--disable_tqdm", "true", "--logging_steps", "1"]  # fmt: skip
+        runs.append(
+            subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    outputs = []
+    for process in runs:
+        stdout, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stdout[-2000:] + stderr[-4000:]
+        outputs.append(stdout.splitlines())
+    status_line = next(line for line in outputs[0] if line.startswith("fasttrain status:"))
     status = ast.literal_eval(status_line.split(":", 1)[1].strip())  # the dict as printed
     for path in ("optimizer", "clip", "loss", "collator", "sampler"):
         assert status[path] == "on", status
+    # the Trainer's per-step log lines (loss, grad_norm) as printed, 4 significant digits
+    steps = [[line for line in lines if line.startswith("{'loss'")] for lines in outputs]
+    assert len(steps[0]) == 2 and steps[0] == steps[1], steps

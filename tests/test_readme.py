@@ -1,6 +1,7 @@
-"""The README's usage example runs as written and prints what the README says it prints.
+"""The README's usage example runs as written and prints what the README says it prints; every figure the README
+and docs/measured.md cite comes with a command that reproduces the file it cites.
 
-The block is taken from README.md as it stands and run in a fresh process. The only change: the two
+The usage block is taken from README.md as it stands and run in a fresh process. The only change: the two
 ``from_pretrained`` downloads are answered locally (no hub here) by a byte-level tokenizer and a Qwen3 with the
 real vocabulary size and small layers, so the example's data, arguments, collator, packing decisions and status
 are those of the README.
@@ -8,12 +9,24 @@ are those of the README.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+import pytest
+
+from fasttrain import cli
+from fasttrain.bench.config import BenchConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+CITING = (README, ROOT / "docs" / "measured.md")
+# "[name.md](…benchmarks/results/name.md) · `command`": a result file and the command cited beside it
+CITATION = re.compile(r"\]\((?:\.\./)?(benchmarks/results/[\w.-]+)\.md\) · `([^`]+)`")
 
 OFFLINE = """
 import tokenizers, torch, transformers
@@ -54,3 +67,61 @@ def test_the_usage_example_prints_what_the_readme_shows(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip().splitlines()[-1] == printed
+
+
+def _citations() -> list[tuple[str, str]]:
+    found = [(stem, command) for doc in CITING for stem, command in CITATION.findall(doc.read_text())]
+    assert any(cmd.startswith("fasttrain bench") for _, cmd in found), (
+        "the citation pattern no longer matches"
+    )
+    return sorted(set(found))
+
+
+def _recorded_command(result: dict) -> str:
+    """The command a result file says wrote it (older files keep it beside their environment)."""
+    for holder in (result.get("provenance"), result, result.get("environment"), result.get("meta")):
+        if isinstance(holder, dict) and "command" in holder:
+            return holder["command"]
+    raise AssertionError("the result file records no command")
+
+
+def _bench_settings(command: str, device: str, monkeypatch) -> tuple[dict, set[str], int]:
+    """What `fasttrain bench` would run for ``command`` today: its settings, contenders and repetitions."""
+    monkeypatch.setattr(cli, "_cuda_available", lambda: True)  # a cited GPU run resolves on a CPU machine too
+    argv = shlex.split(command)[1:]
+    if "--device" not in argv:
+        argv += ["--device", device]  # "auto" would follow this machine, not the run's
+    args = cli.build_parser().parse_args(argv)
+    args.json = args.markdown = args.plot = args.profile = None  # where it writes is not a setting
+    config, contenders, repeats = cli.resolve(args)
+    return config.to_json(), {c.name for c in contenders}, repeats
+
+
+@pytest.mark.parametrize(("stem", "command"), _citations(), ids=lambda value: str(value)[-60:])
+def test_each_cited_command_reproduces_its_file(stem, command, monkeypatch):
+    result = json.loads((ROOT / f"{stem}.json").read_text())
+    if not command.startswith("fasttrain bench"):
+        # a benchmark script: the arguments its file recorded (the interpreter may be another environment's)
+        script = next(word for word in shlex.split(command) if word.endswith(".py"))
+        recorded = shlex.split(_recorded_command(result))
+        cited = shlex.split(command)
+        assert cited[cited.index(script) :] == recorded[recorded.index(script) :]
+        return
+    # through today's settings type: a field the file predates took its present default then, and a field today's
+    # settings leave out for this kind of run is left out of both
+    fields = {f.name for f in dataclasses.fields(BenchConfig)}
+    recorded = BenchConfig(**{k: v for k, v in result["config"].items() if k in fields}).to_json()
+    settings, contenders, repeats = _bench_settings(command, recorded["device"], monkeypatch)
+    differ = {
+        key: (value, settings.get(key))
+        for key, value in recorded.items()
+        if key != "threads" and settings.get(key) != value  # threads: the machine's cores
+    }
+    assert not differ, (
+        f"{command!r} today runs other settings than {stem}.json recorded (recorded, now): {differ}"
+    )
+    ran = {"reference", "fasttrain", *result.get("ablations", {})} | (
+        {"liger"} if "liger" in result else set()
+    )
+    assert contenders == ran
+    assert repeats == result["reference"]["repetitions"]
