@@ -25,27 +25,43 @@ def tokenizer(padding_side: str = "right") -> transformers.PreTrainedTokenizerFa
     return fast
 
 
+# The shape of every tiny test model: two layers, grouped-query attention, the tokenizer's vocabulary and pad id.
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+)
+# The one registry of test model families: model type -> config class, and what the family's own defaults would
+# get wrong at SHAPE (Qwen3's and Gemma's head_dim is fixed at 128 or 256, not hidden_size / heads).
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, {}),
+    "qwen2": (transformers.Qwen2Config, {}),
+    "qwen3": (transformers.Qwen3Config, {"head_dim": 8}),
+    "mistral": (transformers.MistralConfig, {}),
+    "gemma": (transformers.GemmaConfig, {"head_dim": 8}),
+    "gemma2": (transformers.Gemma2Config, {"head_dim": 8}),
+    "gemma3_text": (transformers.Gemma3TextConfig, {"head_dim": 8}),
+    "phi3": (transformers.Phi3Config, {}),
+    "olmo2": (transformers.Olmo2Config, {}),
+}
+
+
+def config(family: str, **overrides) -> transformers.PretrainedConfig:
+    """The tiny config of ``family`` (a key of FAMILIES), ``overrides`` over SHAPE and the family's settings."""
+    config_class, settings = FAMILIES[family]
+    return config_class(**{**SHAPE, **settings, **overrides})
+
+
 def model(
     kind: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> transformers.PreTrainedModel:
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=0,
-    )
-    if kind == "llama":
-        config = transformers.LlamaConfig(**common)
-    elif kind == "qwen3":
-        config = transformers.Qwen3Config(**common, head_dim=8)
-    else:
-        raise ValueError(kind)
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return transformers.AutoModelForCausalLM.from_config(config(kind), dtype=dtype)
 
 
 def dataset(n: int = 48, seed: int = 0, min_len: int = 6, max_len: int = 40, with_length: bool = False):

@@ -17,6 +17,8 @@ import transformers
 import _tiny as tiny
 import fasttrain
 
+pytestmark = [pytest.mark.dropin, pytest.mark.gpu_versions]
+
 
 def _trainer(tmp_path, cls=fasttrain.Trainer, hot_paths=None, **overrides):
     tok = tiny.tokenizer()

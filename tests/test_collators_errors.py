@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from _collator_cases import make_tokenizer
 from fasttrain.data import collators as ft
-from test_collators import make_tokenizer
 
 
 def padding_collators():

@@ -17,10 +17,10 @@ from transformers.data import data_collator as hf
 
 import _tiny as tiny
 import fasttrain
+from _collator_cases import assert_same, clone, make_tokenizer
 from fasttrain import _logging as fasttrain_logging
 from fasttrain.data import collator_probe
 from fasttrain.data import collators as ft
-from test_collators import assert_same, clone, make_tokenizer
 
 PAIRS = [
     (hf.DataCollatorWithPadding, ft.DataCollatorWithPadding),

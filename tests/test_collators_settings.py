@@ -26,15 +26,16 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from transformers.utils import PaddingStrategy
 
-from fasttrain.data import collators as ft
-from test_collators import (
+from _collator_cases import (
     assert_same,
     clone,
     flattening_batches,
     make_tokenizer,
     padded_batches,
+    reference_dropped_tokens,
     seq2seq_batches,
 )
+from fasttrain.data import collators as ft
 
 SETTINGS = settings(
     max_examples=int(os.environ.get("FASTTRAIN_HYPOTHESIS_EXAMPLES", "80")),
@@ -75,9 +76,7 @@ def compare(ours, ref, features, **kwargs):
     with quiet:
         try:
             got = ours(clone(features), **kwargs)
-        except ValueError as err:  # the one deliberate difference, see test_collators.run_both
-            from test_collators import reference_dropped_tokens
-
+        except ValueError as err:  # the one deliberate difference, see _collator_cases.run_both
             assert reference_dropped_tokens(features, expected), (
                 f"ours raised where transformers did not: {err}"
             )

@@ -28,9 +28,12 @@ import trl  # noqa: E402
 
 import _tiny as tiny  # noqa: E402
 import fasttrain  # noqa: E402
+from _collator_cases import as_container  # noqa: E402
 from fasttrain.data import _rows  # noqa: E402
 from fasttrain.data import collators as ft  # noqa: E402
 from fasttrain.data import trl_collators as ours_trl  # noqa: E402
+
+pytestmark = pytest.mark.trl
 
 SETTINGS = settings(
     max_examples=int(os.environ.get("FASTTRAIN_HYPOTHESIS_EXAMPLES", "80")),
@@ -92,18 +95,6 @@ def compare(ours, ref, examples, total_tokens: int) -> None:
             return
     assert_same(got, expected)
     event("same batch" + (" (handed over)" if handovers else " (native)"))
-
-
-def as_container(values: list[int], kind: str):
-    if kind == "list":
-        return list(values)
-    if kind == "tuple":
-        return tuple(values)
-    if kind == "np64":
-        return np.asarray(values, dtype=np.int64)
-    if kind == "np32":
-        return np.asarray(values, dtype=np.int32)
-    return torch.tensor(values, dtype=torch.int64)
 
 
 @st.composite

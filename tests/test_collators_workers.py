@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
+from _collator_cases import assert_same, clone, make_tokenizer
 from fasttrain.data import collators as ft
-from test_collators import assert_same, clone, make_tokenizer
 
 
 def pairs():

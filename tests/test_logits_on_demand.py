@@ -22,10 +22,12 @@ from torch.utils import _pytree as pytree
 import _tiny as tiny
 import _truth
 import fasttrain
+from _fused_models import CONFIGS  # every family the fused loss claims
 from fasttrain.integration.loss import DECIDING_STEPS, fused_forwards
 from fasttrain.loss.lazy_logits import LazyLogitsOutput, PendingLogits
 from fasttrain.loss.model_patch import disable_fused_loss, enable_fused_loss, fused_loss_usage
-from test_model_patch import CONFIGS  # every family the fused loss claims
+
+pytestmark = pytest.mark.dropin
 
 
 def _batch(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:

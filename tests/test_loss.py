@@ -16,6 +16,8 @@ from _loss_reference import as_truth, make_inputs, reference_loss, run_both
 from _truth_ops import assert_all_truth, assert_bias_no_larger, assert_truth
 from fasttrain.loss import default_chunk_rows, fused_linear_cross_entropy
 
+pytestmark = [pytest.mark.cuda, pytest.mark.numeric]
+
 OPTION_SETS = {
     "plain": ({}, 0.0, False),
     "ignore": ({}, 0.3, False),

@@ -10,6 +10,8 @@ from fasttrain import fused_linear_cross_entropy
 from fasttrain.loss.compiled import loss_and_grads
 from fasttrain.loss.model_patch import enable_fused_loss
 
+pytestmark = pytest.mark.gpu_versions
+
 OPTIONS = dict(
     ignore_index=-100,
     label_smoothing=0.0,

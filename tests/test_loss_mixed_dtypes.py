@@ -22,6 +22,8 @@ from _truth_ops import assert_all_truth
 from fasttrain.loss import fused_linear_cross_entropy
 from fasttrain.loss.token_logprobs import fused_token_log_probs
 
+pytestmark = pytest.mark.numeric
+
 HALF = {"k": 2.0, "ulps": 0.125}  # as tests/test_loss.py for half-precision matmuls
 FP32 = {"k": 2.0, "ulps": 4.0}
 

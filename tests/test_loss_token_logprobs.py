@@ -18,6 +18,8 @@ from _loss_reference import as_truth
 from _truth_ops import assert_all_truth, assert_bias_no_larger, assert_truth
 from fasttrain.loss.token_logprobs import OPTIONAL_OUTPUTS, fused_token_log_probs
 
+pytestmark = [pytest.mark.cuda, pytest.mark.numeric]
+
 ALL = ("log_probs", *OPTIONAL_OUTPUTS)
 OUTPUTS = [name for name in ALL if name != "is_top1"]  # the values; is_top1 is checked through its margin
 HEADS = {  # temperature, logit_scale, softcap, bias

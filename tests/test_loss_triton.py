@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="no GPU and TRITON_INTERPRET is not set",
 )
+pytestmark = [pytestmark, pytest.mark.cuda, pytest.mark.numeric]
 
 CASES = {
     "plain": ({}, 0.0, False),

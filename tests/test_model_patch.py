@@ -13,6 +13,7 @@ import torch
 import transformers
 
 import _truth
+from _fused_models import CONFIGS, VOCAB, batch, pair, trio
 from fasttrain.families import FAMILIES, fused_loss_classes
 from fasttrain.loss.lazy_logits import PendingLogits
 from fasttrain.loss.model_patch import (
@@ -23,54 +24,12 @@ from fasttrain.loss.model_patch import (
     set_eval_fused,
 )
 
-VOCAB = 211
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=48,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
-CONFIGS = {
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)),
-    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, head_dim=16)),
-    "qwen3_tied": lambda: transformers.Qwen3ForCausalLM(
-        transformers.Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True)
-    ),
-    "gemma2_softcap": lambda: transformers.Gemma2ForCausalLM(
-        transformers.Gemma2Config(**COMMON, head_dim=16, final_logit_softcapping=2.0)
-    ),
-    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON)),
-    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON)),
-    "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**COMMON, pad_token_id=0)),
-    "gemma": lambda: transformers.GemmaForCausalLM(transformers.GemmaConfig(**COMMON, head_dim=16)),
-    "gemma3_softcap": lambda: transformers.Gemma3ForCausalLM(
-        transformers.Gemma3TextConfig(**COMMON, head_dim=16, final_logit_softcapping=3.0, sliding_window=8)
-    ),
-    "olmo2": lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**COMMON)),
-}
+pytestmark = [pytest.mark.gpu_versions, pytest.mark.numeric]
 
 
 def took_fused_path(out) -> bool:
     """The forward took the fused loss: its logits are pending, made only if read (test_logits_on_demand.py)."""
     return isinstance(dict.get(out, "logits"), PendingLogits)
-
-
-def pair(name, seed=0):
-    torch.manual_seed(seed)
-    ref = CONFIGS[name]().float().train()
-    ours = copy.deepcopy(ref)
-    assert enable_fused_loss(ours) is None
-    assert fused_loss_enabled(ours)
-    return ref, ours
-
-
-def trio(name, seed=0):
-    """(reference, ours, truth): the unpatched model, the fused one, and the unpatched one in float64."""
-    ref, ours = pair(name, seed)
-    return ref, ours, _truth.float64_twin(ref)
 
 
 def assert_loss_near_truth(ours, ref, truth):
@@ -87,16 +46,6 @@ def forward_backward_near_truth(models, inputs, **kwargs):
     ref, ours, truth = models
     assert_loss_near_truth(losses[1], losses[0], losses[2])
     _truth.assert_grads_near_truth(ours, ref, truth)
-
-
-def batch(seed=0, b=3, t=13):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (b, t), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, -4:] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[1, :5] = -100  # a masked prompt
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

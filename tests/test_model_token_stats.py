@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import _truth
+from _fused_models import batch, trio
 from fasttrain.loss.model_patch import disable_fused_loss, fused_loss_usage
 from fasttrain.loss.model_token_stats import TOKEN_STATS_KWARG
-from test_model_patch import batch, trio
+
+pytestmark = pytest.mark.numeric
 
 
 def reference_stats(model, inputs):

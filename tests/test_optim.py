@@ -33,6 +33,8 @@ from _truth_ops import assert_truth, distance, magnitude
 from fasttrain import FusedAdamW
 from fasttrain.optim import blockwise8
 
+pytestmark = [pytest.mark.cuda, pytest.mark.numeric]
+
 LOW = (torch.bfloat16, torch.float16)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CLIP = 200.0  # the gradients' norm is ~537: clipping is active, and the clipped gradients stay above fp16's subnormals

@@ -7,6 +7,8 @@ import torch
 
 from fasttrain.optim import blockwise8, rounding
 
+pytestmark = [pytest.mark.cuda, pytest.mark.numeric]
+
 
 def _mix32_python(x: int) -> int:
     m = 0xFFFFFFFF

@@ -37,6 +37,7 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="the Triton path needs CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)",
 )
+pytestmark = [pytestmark, pytest.mark.cuda, pytest.mark.numeric]
 
 
 @pytest.fixture(autouse=True)

@@ -21,6 +21,8 @@ from fasttrain import _native
 from fasttrain.data import packing
 from fasttrain.integration import packing_policy
 
+pytestmark = [pytest.mark.gpu_versions, pytest.mark.numeric]
+
 
 def _examples(lengths, seed=0, eos_inside=False, prompt_masked=True):
     rng = np.random.default_rng(seed)

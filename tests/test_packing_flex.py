@@ -14,31 +14,18 @@ import pytest
 import torch
 import transformers
 
+import _packing
 import _tiny as tiny
-import fasttrain
-from fasttrain.data import packing
 from fasttrain.integration import packing_policy
 
 torch_flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
 
 def _model(attention: str, dtype: torch.dtype):
-    config = transformers.Qwen3Config(
-        vocab_size=tiny.VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
-    return model.eval()
+    return transformers.AutoModelForCausalLM.from_config(
+        _packing.config("qwen3"), attn_implementation=attention, dtype=dtype
+    ).eval()
 
 
 def test_flex_is_on_the_allow_list():
@@ -51,9 +38,7 @@ def test_no_attention_across_packed_examples_under_flex():
     truth.load_state_dict({k: v.double() for k, v in flex.state_dict().items()})
     data = tiny.dataset(n=3, min_len=5, max_len=14)
     examples = [{"input_ids": r["input_ids"], "labels": r["input_ids"]} for r in data]
-    collator = fasttrain.DataCollatorForSeq2Seq(tiny.tokenizer(), padding=True)
-    batch = packing.PackingCollator(collator, flash=False)([dict(e) for e in examples])
-    assert isinstance(batch, packing.PackedBatch)
+    batch = _packing.packed(examples)
     with torch.no_grad():
         packed = flex(**{k: v for k, v in batch.items() if k != "labels"}).logits[0].double()
         start = 0

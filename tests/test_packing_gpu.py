@@ -7,7 +7,7 @@ and changing one example's tokens leaves every other example's logits and loss g
 examples moves logits by about 1e-1 at these sizes; the bounds below are rounding-sized. Flash attention 2/3 is
 checked too where flash_attn imports (packing stays off under it until this test has run on a GPU).
 
-Runs in benchmarks/gpu/run.sh's kernels step (.ci/suites KERNEL_TESTS); skipped without CUDA.
+Runs in benchmarks/gpu/run.sh's kernels step (marker ``cuda``); skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import importlib.util
 import pytest
 import torch
 
+import _packing
 import _tiny as tiny
-from test_packing_models import CONFIGS, _packed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytestmark, pytest.mark.cuda]
 
 # packed vs alone: the same math with other shapes (other tiling and reduction order); a leak is ~1e-1
 ALONE_ATOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -32,13 +33,16 @@ def _model(kind: str, attention: str, dtype: torch.dtype):
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
-        CONFIGS[kind](), attn_implementation=attention, dtype=dtype
+        _packing.config(kind), attn_implementation=attention, dtype=dtype
     )
     return model.to("cuda").train()
 
 
 def _per_example(model, examples, flash: bool):
-    batch = {k: v.to("cuda") if torch.is_tensor(v) else v for k, v in _packed(examples, flash=flash).items()}
+    batch = {
+        k: v.to("cuda") if torch.is_tensor(v) else v
+        for k, v in _packing.packed(examples, flash=flash).items()
+    }
     logits = model(**batch).logits[0].float()
     loss = torch.nn.functional.cross_entropy(logits[:-1], batch["labels"][0, 1:], reduction="none")
     out, start = [], 0

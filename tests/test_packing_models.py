@@ -17,46 +17,26 @@ import pytest
 import torch
 import transformers
 
+import _packing
 import _tiny as tiny
 import _truth
 import fasttrain
-from fasttrain.data import packing
 from fasttrain.families import FAMILIES, packing_model_types
 from fasttrain.integration import packing_policy
 
-COMMON = dict(
-    vocab_size=tiny.VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    pad_token_id=0,
-    eos_token_id=2,
-    bos_token_id=1,
-)
-CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**COMMON),
-    "qwen2": lambda: transformers.Qwen2Config(**COMMON),
-    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=8),
-    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
-    # a sliding window shorter than the longest example: the window is applied per example in the packed row
-    "gemma2": lambda: transformers.Gemma2Config(**COMMON, head_dim=8, sliding_window=6),
-    "gemma3_text": lambda: transformers.Gemma3TextConfig(**COMMON, head_dim=8, sliding_window=6),
-    "phi3": lambda: transformers.Phi3Config(**COMMON),
-    "olmo2": lambda: transformers.Olmo2Config(**COMMON),
-}
+pytestmark = [pytest.mark.gpu_versions, pytest.mark.numeric]
+
 ATTENTION = {"gemma2": ("eager",)}  # transformers has no sdpa for Gemma 2
 
 
 def test_the_allow_list_is_what_is_tested_here():
-    assert set(CONFIGS) == packing_model_types()
-    assert {f.packing for f in FAMILIES if f.model_type in CONFIGS} == {"tests/test_packing_models.py"}
+    tested = set(_packing.SETTINGS)
+    assert tested == packing_model_types()
+    assert {f.packing for f in FAMILIES if f.model_type in tested} == {"tests/test_packing_models.py"}
 
 
 def _model(kind: str, attention: str, dtype=torch.float32, seed: int = 0, wide_window: bool = False):
-    config = CONFIGS[kind]()
+    config = _packing.config(kind)
     if wide_window and getattr(config, "sliding_window", None):
         # a padded float64 run with a window shorter than a row's padding has pad queries that see no key: eager
         # gives them NaN (its float64 mask value is -inf in its float32 softmax) and the NaN reaches the loss
@@ -69,16 +49,9 @@ def _model(kind: str, attention: str, dtype=torch.float32, seed: int = 0, wide_w
     return model.train()
 
 
-def _packed(examples, flash: bool = False):
-    collator = fasttrain.DataCollatorForSeq2Seq(tiny.tokenizer(), padding=True)
-    batch = packing.PackingCollator(collator, flash=flash)([dict(e) for e in examples])
-    assert isinstance(batch, packing.PackedBatch)
-    return batch
-
-
 def _per_example(model, examples):
     """Each example's logits and the gradient of its own summed loss, from one forward of the packed row."""
-    batch = _packed(examples)
+    batch = _packing.packed(examples)
     logits = model(**batch).logits[0]
     loss = torch.nn.functional.cross_entropy(
         logits[:-1], batch["labels"][0, 1:], ignore_index=-100, reduction="none"
@@ -96,7 +69,7 @@ def _per_example(model, examples):
 
 @pytest.mark.parametrize(
     ("kind", "attention"),
-    [(k, a) for k in CONFIGS for a in ATTENTION.get(k, ("sdpa", "eager"))],
+    [(k, a) for k in _packing.SETTINGS for a in ATTENTION.get(k, ("sdpa", "eager"))],
 )
 def test_no_attention_across_packed_examples(kind, attention):
     model = _model(kind, attention, dtype=torch.float64)
@@ -153,7 +126,7 @@ class _PackingOnly(fasttrain.Trainer):
         super().__init__(*args, hot_paths=paths, **kwargs)
 
 
-@pytest.mark.parametrize("kind", sorted(set(CONFIGS) - {"llama", "qwen3"}))
+@pytest.mark.parametrize("kind", sorted(set(_packing.SETTINGS) - {"llama", "qwen3"}))
 def test_trainer_packed_matches_padded_every_step(kind, tmp_path):
     ref = _train(kind, tmp_path, transformers.Trainer)
     ours = _train(kind, tmp_path, _PackingOnly)

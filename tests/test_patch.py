@@ -12,6 +12,8 @@ import _tiny as tiny
 import _truth
 import fasttrain
 
+pytestmark = [pytest.mark.dropin, pytest.mark.gpu_versions]
+
 
 @pytest.fixture(autouse=True)
 def _always_unpatched():

@@ -21,6 +21,8 @@ import _tiny as tiny
 import _truth
 import fasttrain
 
+pytestmark = [pytest.mark.dropin, pytest.mark.numeric]
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "_train_script.py"
 

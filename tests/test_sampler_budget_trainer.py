@@ -11,6 +11,8 @@ import _tiny
 import fasttrain
 from fasttrain.integration.budget import token_budget_loader
 
+pytestmark = pytest.mark.gpu_versions
+
 
 class BatchLog:
     """Which rows, and how many real tokens, each training forward received (padded or packed)."""

@@ -24,6 +24,8 @@ import fasttrain
 from fasttrain import FusedAdamW, HotPaths
 from fasttrain.data.collators import native_equivalent
 
+pytestmark = [pytest.mark.dropin, pytest.mark.gpu_versions]
+
 
 @pytest.fixture(autouse=True)
 def _unpatched():

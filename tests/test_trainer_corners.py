@@ -8,6 +8,8 @@ import transformers
 import _tiny as tiny
 import fasttrain
 
+pytestmark = [pytest.mark.dropin, pytest.mark.gpu_versions, pytest.mark.numeric]
+
 
 def _outcome(cls, tmp_path, dataset, **args):
     tok = tiny.tokenizer()

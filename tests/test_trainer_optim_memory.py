@@ -11,6 +11,8 @@ import _tiny as tiny
 import fasttrain
 from fasttrain import FusedAdamW
 
+pytestmark = [pytest.mark.dropin, pytest.mark.gpu_versions]
+
 
 @pytest.fixture(autouse=True)
 def _unpatched():

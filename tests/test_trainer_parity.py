@@ -17,6 +17,8 @@ import _truth
 import fasttrain
 from fasttrain.hot_paths import HotPaths
 
+pytestmark = [pytest.mark.dropin, pytest.mark.gpu_versions, pytest.mark.numeric]
+
 # transformers < 5 logs the loss rounded to 4 decimals: the truth is rounded too
 LOG_FLOOR = {"loss": tiny.LOGGED_LOSS_ABS}
 
