@@ -285,8 +285,8 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
 
         limit = measure_matmul_rate(config.device, config.threads)
     started = time.perf_counter()
-    origin = provenance.record("liger-kernel")
-    origin["command"] = shlex.join(["fasttrain", *argv])  # argv as given to main(), which may not be sys.argv
+    # argv as given to main(), which may not be sys.argv
+    origin = provenance.record("liger-kernel", command_line=shlex.join(["fasttrain", *argv]))
 
     def assemble(results, failures, complete: bool) -> dict:
         data = summary.build(results, failures)

@@ -107,7 +107,12 @@ def command() -> str:
     script = argv0.resolve()
     with contextlib.suppress(ValueError):  # a script outside the repository keeps its path as given
         script = script.relative_to(_SOURCE)
-    return shlex.join(["python", str(script), *sys.argv[1:]])
+    # an interpreter of the repository's other environments (.ci-envs/llamafactory/...) is part of the command
+    python = Path(sys.executable)
+    interpreter = "python"
+    if python.is_relative_to(_SOURCE) and not python.is_relative_to(_SOURCE / ".venv"):
+        interpreter = str(python.relative_to(_SOURCE))
+    return shlex.join([interpreter, str(script), *sys.argv[1:]])
 
 
 def utc_now() -> str:
@@ -115,11 +120,12 @@ def utc_now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def record(*packages: str) -> dict[str, Any]:
-    """The provenance block of a result file: date, command, commit, machine, load at the start, versions."""
+def record(*packages: str, command_line: str | None = None) -> dict[str, Any]:
+    """The provenance block of a result file: date, command (``command_line``, else this process's), commit,
+    machine, load at the start, versions."""
     return {
         "date_utc": utc_now(),
-        "command": command(),
+        "command": command_line or command(),
         "commit": git_commit(),
         "machine": machine(),
         "load_1min_at_start": load_average(),
