@@ -24,7 +24,8 @@ it (``fused_token_log_probs``: Triton on CUDA, the chunked torch path elsewhere)
 
 ``TRAINERS`` is the one table of TRL trainers fasttrain serves (``integration.loss_trl`` reads it to tell a trainer's
 kind): each entry's class, and which kernel serves its head on each device type (TRL's own kernel may still be the
-faster one on a GPU, decided by ``benchmarks/gpu/bench_loss_gpu.py --trl``; where it says ``"trl"``, ``serve``
+faster one on a GPU, decided by ``benchmarks/bench_loss.py --device cuda --cases
+trl_sft,trl_dpo``; where it says ``"trl"``, ``serve``
 returns that reason and TRL's head stays).
 """
 
@@ -79,7 +80,7 @@ class TrlTrainer:
 
 
 # CPU: measured, fasttrain's kernel is the faster one (benchmarks/results/loss_trl_cpu.md). CUDA: not measured yet;
-# fasttrain's until benchmarks/gpu/bench_loss_gpu.py --trl says otherwise (SFT saves a matmul with fasttrain's
+# fasttrain's until `bench_loss.py --device cuda --cases trl_sft,trl_dpo` says otherwise (SFT saves a matmul with fasttrain's
 # speculation; DPO runs the same four matmuls as TRL, so the per-row kernels decide).
 TRAINERS: dict[str, TrlTrainer] = {
     t.kind: t
