@@ -55,7 +55,7 @@ def llamafactory_tokenize(config_path: Path) -> None:
 
 def token_counts(directory: Path) -> list[dict]:
     """Each row of the prepared dataset under ``directory`` (Axolotl's dataset_prepared_path, LLaMA-Factory's
-    tokenized_path), in order: its tokens and its scored (label) tokens."""
+    tokenized_path), in order: its tokens."""
     import datasets
 
     found = sorted(p.parent for p in directory.rglob("state.json"))
@@ -63,10 +63,7 @@ def token_counts(directory: Path) -> list[dict]:
         raise SystemExit(f"expected one saved dataset under {directory}, found {found}")
     rows = datasets.load_from_disk(str(found[0]))
     rows = rows["train"] if isinstance(rows, datasets.DatasetDict) else rows
-    return [
-        {"tokens": len(ids), "scored": sum(label != -100 for label in labels)}
-        for ids, labels in zip(rows["input_ids"], rows["labels"], strict=True)
-    ]
+    return [{"tokens": len(ids)} for ids in rows["input_ids"]]
 
 
 def versions(packages: list[str]) -> dict[str, str | None]:

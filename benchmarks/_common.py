@@ -1,6 +1,6 @@
 """What the scripts under benchmarks/ share: writing a result (JSON + Markdown, both opening with
 ``fasttrain.bench.provenance``'s record), calling contenders in turn, a tiny Qwen3, a torchrun launch on CPU, the
-standard library's sources as text and a word-level stand-in tokenizer.
+standard library's sources as text, a word-level stand-in tokenizer and an optimizer's state bytes.
 
 The scripts' own module, imported as ``import _common`` (Python puts a script's folder first on ``sys.path``).
 Of ``fasttrain.bench`` it uses only ``provenance`` (one record for every result file); the rest of that package
@@ -9,14 +9,17 @@ is the ``fasttrain bench`` command's and free to change (tests/test_bench_script
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -91,6 +94,22 @@ def batch_difference(a, b) -> str | None:
     return None
 
 
+def state_bytes(optimizer) -> int:
+    """Bytes of an optimizer's state, step counters left out: a tensor subclass (torchao's) unpacked into its
+    plain tensors, a tensor shared by several parameters counted once."""
+    import torch
+
+    def tensors(v) -> list:
+        if type(v) is not torch.Tensor and hasattr(v, "__tensor_flatten__"):
+            return [t for name in v.__tensor_flatten__()[0] for t in tensors(getattr(v, name))]
+        return [v] if isinstance(v, torch.Tensor) else []
+
+    held = [
+        t for state in optimizer.state.values() for k, v in state.items() if k != "step" for t in tensors(v)
+    ]
+    return sum({(t.data_ptr(), t.numel()): t.numel() * t.element_size() for t in held}.values())
+
+
 def tiny_qwen3(vocab: int, hidden: int, layers: int, seed: int = 0, **config: Any):
     """A Qwen3 at random initialisation (``seed``): 4 attention heads, 2 KV heads, MLP 3 x hidden unless
     ``config`` says otherwise."""
@@ -101,18 +120,25 @@ def tiny_qwen3(vocab: int, hidden: int, layers: int, seed: int = 0, **config: An
         num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, intermediate_size=3 * hidden
     )
     attn = config.pop("attn_implementation", None)
-    qwen3 = transformers.Qwen3Config(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, pad_token_id=0, **{**shape, **config}
-    )
+    qwen3 = transformers.Qwen3Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, pad_token_id=0,
+                                     **{**shape, **config})  # fmt: skip
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(qwen3, attn_implementation=attn)
 
 
-def torchrun(
-    script: str, world: int, args: list[Any], threads: int, timeout: float | None = None
-) -> str | None:
-    """``script`` in ``world`` gloo processes (torchrun, a free port, ``threads`` OpenMP threads each,
-    DeepSpeed on its CPU accelerator, the CPU paths rather than the Triton interpreter); None, or why it failed."""
+def worker_options(parser, *names: str) -> None:
+    """The options a script's torchrun workers get besides its own: ``--worker``, ``--out-file`` and ``names``."""
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--out-file", *names):
+        parser.add_argument(name, help=argparse.SUPPRESS)
+
+
+def torchrun(script: str, world: int, args: list[Any], threads: int, timeout: float | None = None):
+    """``script --worker ARGS --out-file FILE`` in ``world`` gloo processes (torchrun, a free port, ``threads``
+    OpenMP threads each, DeepSpeed on its CPU accelerator, the CPU paths rather than the Triton interpreter):
+    the JSON the workers wrote to FILE (None if none) and None, or why the launch failed."""
+    scratch = Path(tempfile.mkdtemp(prefix="bench-torchrun-"))  # also the workers' scratch (Trainer output)
+    args = ["--worker", *args, "--out-file", scratch / "out.json"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), DS_ACCELERATOR="cpu")
     env.pop("TRITON_INTERPRET", None)
     with socket.socket() as s:
@@ -122,13 +148,12 @@ def torchrun(
            script, *map(str, args)]  # fmt: skip
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        failure = done.returncode and f"exit {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     except subprocess.TimeoutExpired:
-        return f"launch timed out after {timeout} s"
-    return (
-        None
-        if done.returncode == 0
-        else f"exit {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-    )
+        failure = f"launch timed out after {timeout} s"
+    written = json.loads((scratch / "out.json").read_text()) if (scratch / "out.json").exists() else None
+    shutil.rmtree(scratch, ignore_errors=True)
+    return written, failure or None
 
 
 def stdlib_sources() -> Iterator[str]:

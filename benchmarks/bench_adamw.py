@@ -26,6 +26,7 @@ parameter, clipping reads the gradient once more) over the measured time (``fast
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import os
@@ -47,20 +48,8 @@ def llama(vocab, hidden, inter, layers, kv, tied=True):
 
 
 def gpt2(vocab=50257, h=768, layers=12):
-    per_layer = [
-        (h,),
-        (h,),
-        (3 * h, h),
-        (3 * h,),
-        (h, h),
-        (h,),
-        (h,),
-        (h,),
-        (4 * h, h),
-        (4 * h,),
-        (h, 4 * h),
-        (h,),
-    ]
+    per_layer = [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,), (4 * h, h), (4 * h,),
+                 (h, 4 * h), (h,)]  # fmt: skip
     return [(vocab, h), (1024, h), *per_layer * layers, (h,), (h,)]
 
 
@@ -87,36 +76,15 @@ def contenders(dtype: torch.dtype, device: str) -> dict:
         modes |= {"float32": {"state_dtype": torch.float32}, "default+sr": {"bf16_stochastic_rounding": True},
                   "8bit+sr": {"state_dtype": "8bit", "bf16_stochastic_rounding": True}}  # fmt: skip
     out = {f"{mode} (triton)": {"backend": "triton", **kw} for mode, kw in modes.items()}
-    out |= {
-        "default (torch backend)": {"backend": "torch"},
-        "8bit (torch form)": {"backend": "torch", "state_dtype": "8bit"},
-    }
-    out = {
-        name: lambda ps, kw=kw: FusedAdamW(ps, lr=1e-4, weight_decay=0.01, **kw) for name, kw in out.items()
-    }
+    out |= {"default (torch backend)": {"backend": "torch"},
+            "8bit (torch form)": {"backend": "torch", "state_dtype": "8bit"}}  # fmt: skip
+    out = {name: lambda ps, kw=kw: FusedAdamW(ps, lr=1e-4, weight_decay=0.01, **kw) for name, kw in out.items()}  # fmt: skip
     if device == "cuda":
-        for name, path in (
-            ("bitsandbytes AdamW8bit", "bitsandbytes.optim"),
-            ("torchao AdamW8bit", "torchao.optim"),
-        ):
-            try:
+        for name, path in PEERS.items():
+            with contextlib.suppress(Exception):  # not installed, or no binary for this machine
                 cls = __import__(path, fromlist=["AdamW8bit"]).AdamW8bit
                 out[name] = lambda ps, cls=cls: cls(ps, lr=1e-4, weight_decay=0.01)
-            except Exception:  # not installed, or no binary for this machine
-                pass
     return out
-
-
-def state_bytes(opt) -> int:
-    """Bytes of the optimizer state (step counters left out; tensor subclasses such as torchao's unpacked)."""
-
-    def tensors(v):
-        if type(v) is not torch.Tensor and hasattr(v, "__tensor_flatten__"):
-            return [t for name in v.__tensor_flatten__()[0] for t in tensors(getattr(v, name))]
-        return [v] if isinstance(v, torch.Tensor) else []
-
-    return sum(t.numel() * t.element_size() for s in opt.state.values() for k, v in s.items() if k != "step"
-               for t in tensors(v))  # fmt: skip
 
 
 def compare(name, factory, shapes, dtype, norm, args, limits) -> dict:
@@ -153,18 +121,18 @@ def compare(name, factory, shapes, dtype, norm, args, limits) -> dict:
                 if rep >= args.warmup:
                     s["times"].setdefault(kind, []).append(seconds * 1e3)
     ref, ours = sides["reference"], sides[name]
-    diff = sum(
-        float((a.detach().float() - b.detach().float()).norm()) ** 2
-        for a, b in zip(ours["params"], ref["params"], strict=True)
-    )
-    update = sum(
-        float((b.detach().float() - x.float()).norm()) ** 2 for b, x in zip(ref["params"], start, strict=True)
-    )
+
+    def distance(xs, ys) -> float:
+        return sum(
+            float((x.detach().float() - y.detach().float()).norm()) ** 2 for x, y in zip(xs, ys, strict=True)
+        )
+
+    diff, update = distance(ours["params"], ref["params"]), distance(ref["params"], start)
     n, p_bytes = sum(x.numel() for x in start), start[0].element_size()
     row = {"error_vs_update": (diff / max(update, 1e-30)) ** 0.5}
     for side, s in sides.items():
         med = {kind: statistics.median(t) for kind, t in s["times"].items()}
-        state = state_bytes(s["opt"]) / n
+        state = _common.state_bytes(s["opt"]) / n
         moved = {
             "step": 3 * p_bytes + 2 * state,
             "clip_step": 4 * p_bytes + 2 * state,
@@ -181,16 +149,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: by device)")
     ap.add_argument("--dtypes", help="comma list of float32, bfloat16 (default: by device)")
-    ap.add_argument(
-        "--grad-norms", help="comma list of gradient norms, max_norm being 1 (default: by device)"
-    )
-    ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument(
-        "--time-cap", type=float, default=float("inf"), help="seconds after which nothing new starts"
-    )
+    ap.add_argument("--grad-norms", help="comma list of gradient norms; max_norm is 1 (default: by device)")
+    _common.int_options(ap, reps=9, warmup=2)
+    ap.add_argument("--time-cap", type=float, default=float("inf"), help="no new start after these seconds")
     ap.add_argument("--out", type=Path, default=_common.RESULTS)
-    ap.add_argument("--name", help="results file stem (default: adamw_DEVICE)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")
@@ -201,7 +163,7 @@ def main() -> None:
     result["limits"] = limits = roofline.measure_limits(args.device)
     result["settings"] = {k: getattr(args, k) for k in ("models", "dtypes", "grad_norms", "reps", "warmup")}
     rows = result["rows"] = []
-    stem, title = args.name or f"adamw_{args.device}", f"AdamW step + gradient clipping, {args.device}"
+    stem, title = f"adamw_{args.device}", f"AdamW step + gradient clipping, {args.device}"
     norms = map(float, args.grad_norms.split(","))
     grid = itertools.product(args.models.split(","), args.dtypes.split(","), norms)
     for model, dtype, norm in grid:

@@ -93,28 +93,6 @@ def optimizers():
     return runs
 
 
-def _tensors(value):
-    """The plain tensors holding a state value (a tensor subclass such as torchao's is unpacked)."""
-    if not isinstance(value, torch.Tensor):
-        return []
-    if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
-        names, _ctx = value.__tensor_flatten__()
-        return [t for name in names for t in _tensors(getattr(value, name))]
-    return [value]
-
-
-def state_bytes(opt) -> int:
-    """Bytes of the optimizer state but the step counters; a tensor shared by several parameters counts once."""
-    seen = {}
-    for state in opt.state.values():
-        for key, value in state.items():
-            if key == "step":
-                continue
-            for t in _tensors(value):
-                seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
-    return sum(seen.values())
-
-
 def train(label, dtype, factory, fused_clip, data, steps):
     from transformers import LlamaForCausalLM
 
@@ -145,7 +123,7 @@ def train(label, dtype, factory, fused_clip, data, steps):
     train_s = time.perf_counter() - t0
     with torch.no_grad():
         held_out = [float(model(input_ids=b, labels=b).loss) for b in data[steps : steps + EVAL_BATCHES]]
-    n, sb, p_bytes = sum(p.numel() for p in params), state_bytes(opt), params[0].element_size()
+    n, sb, p_bytes = sum(p.numel() for p in params), _common.state_bytes(opt), params[0].element_size()
     return {"label": label, "param_dtype": str(dtype).replace("torch.", ""), "n_params": n, "losses": losses,
             "final_loss": statistics.fmean(losses[-25:]), "held_out_loss": statistics.fmean(held_out),
             "state_bytes": sb, "state_bytes_per_param": sb / n, "bytes_moved_per_param": 3 * p_bytes + 2 * sb / n,
@@ -165,12 +143,9 @@ def plot(path: Path, results: list[dict]) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
     for ax, tag in zip(axes, ("bf16", "fp32"), strict=True):
-        for r in results:
-            if not r["label"].startswith(tag):
-                continue
-            window = 10
+        for r in (r for r in results if r["label"].startswith(tag)):
             x = r["losses"]
-            smooth = [statistics.fmean(x[max(0, i - window + 1) : i + 1]) for i in range(len(x))]
+            smooth = [statistics.fmean(x[max(0, i - 9) : i + 1]) for i in range(len(x))]  # of 10 steps
             ax.plot(smooth, label=r["label"].split(" | ")[1], linewidth=1.2)
         ax.set_title(f"{tag} parameters: training loss (mean of 10 steps)")
         ax.set_xlabel("step")
@@ -184,7 +159,6 @@ def plot(path: Path, results: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _common.int_options(ap, steps=200, threads=1)  # 1 torch thread: steady on a shared machine
-    ap.add_argument("--only", default="", help="comma-separated substrings: run only matching labels")
     ap.add_argument("--out", type=Path, default=_common.RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -194,14 +168,9 @@ def main() -> None:
     data = token_batches(args.steps + EVAL_BATCHES)
     results, unavailable = [], {}
     for label, (dtype, factory, fused_clip) in optimizers().items():
-        if args.only and not any(s in label for s in args.only.split(",")):
-            continue
         try:
             r = train(label, dtype, factory, fused_clip, data, args.steps)
-        except ImportError as err:
-            unavailable[label] = f"not installed here: {err}"
-            continue
-        except Exception as err:  # a peer that installs but fails on CPU: say how
+        except Exception as err:  # a peer not installed, or that installs but fails on CPU: say how
             unavailable[label] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
             traceback.print_exc()
             continue
@@ -248,11 +217,8 @@ def markdown(info: dict) -> list[str]:
         "",
         "| params | optimizer | state B/param | vs torch fused | vs fp32 states | moved B/param/step |",
         "| --- | --- | ---: | ---: | ---: | ---: |",
-        *[
-            f"| {' | '.join(r['label'].split(' | '))} | {r['state_bytes_per_param']:.3f} | {_x(r['state_vs_torch'])} | "
-            f"{_x(r['state_vs_fp32_states'])} | {r['bytes_moved_per_param']:.2f} |"
-            for r in results
-        ],
+        *[f"| {r['label']} | {r['state_bytes_per_param']:.3f} | {_x(r['state_vs_torch'])} | "
+          f"{_x(r['state_vs_fp32_states'])} | {r['bytes_moved_per_param']:.2f} |" for r in results],
         "",
         "## Convergence",
         "",
@@ -262,12 +228,9 @@ def markdown(info: dict) -> list[str]:
         "",
         "| params | optimizer | final loss | vs reference | held-out loss | vs reference | train s |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
-        *[
-            f"| {' | '.join(r['label'].split(' | '))} | {r['final_loss']:.4f} | {_x(r['final_loss_vs_reference'], 3)} | "
-            f"{r['held_out_loss']:.4f} | {_x(r['held_out_vs_reference'], 3)} | {r['train_s']:.0f} |"
-            for r in results
-        ],
-    ]
+        *[f"| {r['label']} | {r['final_loss']:.4f} | {_x(r['final_loss_vs_reference'], 3)} | "
+          f"{r['held_out_loss']:.4f} | {_x(r['held_out_vs_reference'], 3)} | {r['train_s']:.0f} |" for r in results],
+    ]  # fmt: skip
     if info["unavailable"]:
         lines += ["", "Not run:", ""] + [f"- {k}: {v}" for k, v in info["unavailable"].items()]
     return [*lines, "", "Loss curves: `adamw_modes.png`."]

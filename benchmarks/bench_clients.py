@@ -153,11 +153,8 @@ def environment(client: str, run_dir: Path, side: str) -> dict[str, str]:
     """The CLI's environment: offline, its caches in the run's folder, stdout unbuffered (the step lines are
     timed as they arrive), the environment's bin first on PATH (Axolotl re-launches itself through `accelerate
     launch`), and fasttrain switched on only where ``side`` says so."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("FASTTRAIN_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")
-    }
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("FASTTRAIN_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}  # fmt: skip
     env.update(PATH=f"{python(client).parent}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", HF_HOME=str(run_dir / "hf"), PYTHONUNBUFFERED="1",
                TOKENIZERS_PARALLELISM="false", AXOLOTL_DO_NOT_TRACK="1", WANDB_MODE="disabled",
@@ -226,13 +223,9 @@ def launch(command: list[str], cwd: Path, env: dict[str, str], steps: int) -> di
     reader.join()
     if code := os.waitstatus_to_exitcode(status):
         raise RuntimeError(f"{command} exited {code} (in {cwd}):\n{(cwd / 'output.log').read_text()[-6000:]}")
-    return {
-        "wall_s": time.perf_counter() - start,
-        "step_end_s": [m[0] for m in marks],
-        "largest_hwm_mib": [m[1] / 1024 for m in marks],
-        "ru_maxrss_mib": usage.ru_maxrss / 1024,
-        "statuses": statuses,
-    }
+    return {"wall_s": time.perf_counter() - start, "step_end_s": [m[0] for m in marks],
+            "largest_hwm_mib": [m[1] / 1024 for m in marks], "ru_maxrss_mib": usage.ru_maxrss / 1024,
+            "statuses": statuses}  # fmt: skip
 
 
 def prepare(client: str, work: Path, a) -> list[dict]:
@@ -297,8 +290,6 @@ ROWS = (  # (figure, label, better)
     ("peak_rss_training_mib", "peak RSS while training, largest process, MiB", "lower"),
     ("peak_rss_run_mib", "peak RSS of the whole run, saving included, MiB", "lower"),
     ("cli_wall_s", "CLI wall time: imports, loading, training, saving, s", "lower"),
-    ("axolotl_scored_tokens_per_s", "Axolotl's own `tokens/train_per_sec_per_gpu` (scored tokens/s), steps 2..N, "
-     "median", "higher"),
 )  # fmt: skip
 
 
@@ -309,8 +300,6 @@ def figures(run: dict, tokens_per_step: list[int]) -> dict:
     if len(ends) != len(tokens_per_step):
         raise RuntimeError(f"{run['dir']}: {len(ends)} step lines seen, {len(tokens_per_step)} steps run")
     later = [b - a for a, b in itertools.pairwise(ends)]
-    key = "tokens/train_per_sec_per_gpu"
-    axolotl = [step[key] for step in run["steps"] if key in step]
     return {
         "tokens_per_s_all": sum(tokens_per_step) / runtime,
         "tokens_per_s_after_first": sum(tokens_per_step[1:]) / (ends[-1] - ends[0]) if later else None,
@@ -320,55 +309,38 @@ def figures(run: dict, tokens_per_step: list[int]) -> dict:
         "peak_rss_training_mib": run["largest_hwm_mib"][-1],
         "peak_rss_run_mib": run["ru_maxrss_mib"],
         "cli_wall_s": run["wall_s"],
-        # Axolotl's own per-step figure: scored (label) tokens over the time between two log calls
-        "axolotl_scored_tokens_per_s": statistics.median(axolotl) if axolotl else None,
     }  # fmt: skip
 
 
-def per_step(counts: list[dict], batch: int, key: str = "tokens") -> list[int]:
-    """Each step's tokens (or scored tokens): the steps take the prepared rows in order, ``batch`` at a time."""
-    return [sum(c[key] for c in counts[i : i + batch]) for i in range(0, len(counts), batch)]
+def per_step(counts: list[dict], batch: int) -> list[int]:
+    """Each step's tokens: the steps take the prepared rows in order, ``batch`` at a time."""
+    return [sum(c["tokens"] for c in counts[i : i + batch]) for i in range(0, len(counts), batch)]
 
 
 def summarize(runs: list[dict], counts: list[dict], batch: int) -> dict:
     by_side = {side: [r for r in runs if r["side"] == side] for side in SIDES}
     keys = [key for key, _, _ in ROWS if all(r["figures"][key] is not None for r in runs)]
-    medians = {
-        side: {key: statistics.median(r["figures"][key] for r in by_side[side]) for key in keys}
-        for side in SIDES
-    }
+    medians = {side: {key: statistics.median(r["figures"][key] for r in by_side[side]) for key in keys}
+               for side in SIDES}  # fmt: skip
     losses = {side: [s["loss"] for s in by_side[side][0]["steps"]] for side in SIDES}
     rel = [abs(f - p) / abs(p) for p, f in zip(losses["plain"], losses["fasttrain"], strict=True)]
     own = {side: max(abs(x - s["loss"]) for r in by_side[side] for x, s in zip(losses[side], r["steps"], strict=True))
            for side in SIDES}  # fmt: skip
-    # Axolotl counts the scored tokens it trained on (tokens/trainable): the steps took the rows in prepared order;
-    # and every token it computed, padding included (tokens/total)
-    scored = per_step(counts, batch, "scored")
-    logged = [s.get("tokens/trainable") for s in by_side["plain"][0]["steps"]]
-    computed = [s["tokens/total"] for s in by_side["plain"][0]["steps"] if "tokens/total" in s]
-    return {
-        "tokens_per_step": per_step(counts, batch),
-        "scored_tokens_per_step": scored,
-        "medians": medians,
-        "ratios": {key: medians["fasttrain"][key] / medians["plain"][key] for key in keys},
-        "losses": losses,
-        "loss_rel_diff_per_step": rel,
-        "largest_loss_rel_diff": max(rel),
-        "largest_loss_abs_diff_between_own_repeats": own,
-        "statuses": {side: sorted({line for r in by_side[side] for line in r["statuses"]}) for side in SIDES},
-        "axolotl_order_check": None if None in logged else logged == list(itertools.accumulate(scored)),
-        "axolotl_padded_tokens_per_step": [b - a for a, b in itertools.pairwise([0, *computed])] or None,
-    }
-
-
-def pytest_running() -> bool:
-    return subprocess.run(["pgrep", "-f", "pytest"], capture_output=True).returncode == 0
+    return {"tokens_per_step": per_step(counts, batch), "medians": medians,
+            "ratios": {key: medians["fasttrain"][key] / medians["plain"][key] for key in keys}, "losses": losses,
+            "loss_rel_diff_per_step": rel, "largest_loss_rel_diff": max(rel),
+            "largest_loss_abs_diff_between_own_repeats": own,
+            "statuses": {side: sorted({line for r in by_side[side] for line in r["statuses"]}) for side in SIDES}}  # fmt: skip
 
 
 def wait_until_quiet(threshold: float) -> float:
-    """Seconds waited until no pytest runs and the 1-minute load average is below ``threshold``."""
+    """Seconds waited (checking every 60 s) until no pytest runs and the 1-minute load average is below
+    ``threshold`` (0: no wait): a CI job would share the cores with the runs."""
     start = time.perf_counter()
-    while pytest_running() or os.getloadavg()[0] >= threshold:
+    while threshold > 0 and (
+        os.getloadavg()[0] >= threshold
+        or subprocess.run(["pgrep", "-f", "pytest"], capture_output=True).returncode == 0
+    ):
         print(f"[bench_clients] waiting: pytest or load {os.getloadavg()[0]:.2f} >= {threshold}", flush=True)
         time.sleep(60)
     return time.perf_counter() - start
@@ -379,13 +351,9 @@ def installed_fasttrain(client: str) -> dict:
     hashes): whether the wheel measured is the commit recorded."""
     installed = Path(in_client(client, "fasttrain-dir").strip())
     git = ["git", "ls-tree", "-r", "HEAD", "python/fasttrain"]
-    listing = subprocess.run(
-        git, cwd=_common.ROOT, capture_output=True, text=True, check=True
-    ).stdout.splitlines()
-    tree = {
-        path.removeprefix("python/fasttrain/"): meta.split()[2]
-        for meta, path in (x.split("\t") for x in listing)
-    }
+    listing = subprocess.run(git, cwd=_common.ROOT, capture_output=True, text=True, check=True).stdout
+    tree = {path.removeprefix("python/fasttrain/"): meta.split()[2]
+            for meta, path in (x.split("\t") for x in listing.splitlines())}  # fmt: skip
     differ = []
     for path in sorted(installed.rglob("*.py")):
         data, name = path.read_bytes(), str(path.relative_to(installed))
@@ -412,23 +380,20 @@ def markdown(result: dict) -> list[str]:
         if differ
         else "its Python files are HEAD's"
     )
-    padded = s["axolotl_padded_tokens_per_step"]
-    padding = spec["padding"] + (f": {', '.join(map(str, padded))} tokens computed" if padded else "")
     loads = ", ".join(f"{r['load_1min_before']:.1f}->{r['load_1min_after']:.1f}" for r in result["runs"])
-    waited = f"waited {result['waited_s']:.0f} s for load < {a['wait_load']} and no pytest" if a["wait_load"] else (
-        "no wait for a quiet machine (`--wait-load 0`)")  # fmt: skip
     versions = ", ".join(f"{k} {v}" for k, v in result["client_versions"].items())
     tokens = ", ".join(str(c["tokens"]) for c in counts)
     lines = [
         f"- versions in the {a['client']} environment: {versions}",
         f"- fasttrain: the environment's wheel ({wheel}); it goes in by {spec['how']}",
-        f"- wall time {result['wall_s'] / 60:.1f} min; {waited}; load average (1 min) after: "
+        f"- wall time {result['wall_s'] / 60:.1f} min; waited {result['waited_s']:.0f} s for a quiet machine "
+        f"(`--wait-load {a['wait_load']}`); load average (1 min) after: "
         f"{result['load_after']:.2f}; each run's start -> end: {loads}",
         f"- data: {len(counts)} alpaca rows from the standard library's sources at `fasttrain bench`'s log-normal "
         f"lengths for seed {a['seed']} (median 180, 16..{a['seq_len']}): targets "
         f"{', '.join(str(c['target']) for c in counts)}; as the framework tokenized them {tokens}",
         f"- {a['steps']} optimizer steps x batch {a['batch_size']}, rows in order; real tokens per step: "
-        f"{', '.join(map(str, s['tokens_per_step']))} ({padding})",
+        f"{', '.join(map(str, s['tokens_per_step']))} ({spec['padding']})",
         f"- {a['repeats']} repetition(s) per side, alternating (plain first), each a fresh CLI process tree; medians;"
         " ratios are fasttrain / plain",
         f"- model: {a['model']} shape: hidden {hidden:,}, {layers} layer(s), {heads} attention heads, {kv_heads} KV "
@@ -444,8 +409,6 @@ def markdown(result: dict) -> list[str]:
             plain, fast = (_num(s["medians"][side][key], digits[key]) for side in SIDES)
             lines.append(f"| {label} ({better} is better) | {plain} | {fast} | {s['ratios'][key]:.2f}x |")
     own = s["largest_loss_abs_diff_between_own_repeats"]
-    check = s["axolotl_order_check"]
-    order = f"Axolotl's count of scored tokens (`tokens/trainable`) {'matches' if check else 'does NOT match'} the rows"
     lines += [
         f"| largest per-step loss difference, relative | | {s['largest_loss_rel_diff']:.2e} | |",
         "",
@@ -456,7 +419,6 @@ def markdown(result: dict) -> list[str]:
         f"Plain runs' status lines: {s['statuses']['plain'] or 'none'}. Largest loss difference between a side's "
         f"own repetitions: plain {own['plain']:.2e}, fasttrain {own['fasttrain']:.2e}. `fasttrain bench` at the same "
         "shape and lengths: [bench_cpu_default.md](bench_cpu_default.md).",
-        *([] if check is None else ["", order + " in prepared order."]),
         "",
         "## Loss per step (first repetition of each side)",
         "",
@@ -464,13 +426,6 @@ def markdown(result: dict) -> list[str]:
         "| ---: | ---: | ---: | ---: | ---: |",
         *[f"| {k + 1} | {s['tokens_per_step'][k]} | {p:.6f} | {f:.6f} | {rel:.2e} |" for k, (p, f, rel) in
           enumerate(zip(s["losses"]["plain"], s["losses"]["fasttrain"], s["loss_rel_diff_per_step"], strict=True))],
-        "",
-        "## Every run",
-        "",
-        "| run | side | " + " | ".join(key for key, _, _ in ROWS) + " |",
-        "| ---: | --- |" + " ---: |" * len(ROWS),
-        *[f"| {r['index']} | {r['side']} | " + " | ".join(_num(r["figures"][key], digits[key]) for key, _, _ in ROWS)
-          + " |" for r in result["runs"]],
     ]  # fmt: skip
     return lines
 
@@ -481,25 +436,15 @@ def markdown(result: dict) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--client", required=True, choices=sorted(CLIENTS))
-    p.add_argument(
-        "--model", default="qwen3-0.6b", choices=sorted(SHAPES), help="tiny: for checking the script"
-    )
+    p.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES), help="tiny: to check the script")
     _common.int_options(p, steps=4, repeats=2, batch_size=2, seq_len=512, seed=0)
-    p.add_argument(
-        "--out", type=Path, default=_common.RESULTS, help="where clients_cpu_<client>[_<model>].* go"
-    )
-    p.add_argument(
-        "--workdir", type=Path, help="model, data and runs (default: a temporary folder, removed after)"
-    )
-    p.add_argument("--wait-load", type=float, default=0.5,
-                   help="before starting, wait until the 1-minute load average is below this and no pytest runs, "
-                   "checking every 60 s; before each run, until no pytest runs (default: 0.5; 0: do not wait)")  # fmt: skip
+    p.add_argument("--out", type=Path, default=_common.RESULTS, help="for clients_cpu_<client>[_<model>].*")
+    p.add_argument("--wait-load", type=float, default=0.5, help="first wait for this load, no pytest; 0: no")
     a = p.parse_args()
     client = a.client
     if not python(client).is_file():
         sys.exit(f"no {python(client)}: build the environment with `bash .ci/env-{client}`")
-    start = time.perf_counter()
-    waited = wait_until_quiet(a.wait_load) if a.wait_load > 0 else 0.0
+    start, waited = time.perf_counter(), wait_until_quiet(a.wait_load)
     result = _common.new_result(f"clients_cpu_{client}")
     packages = ["torch", "transformers", "trl", "accelerate", "datasets", client, "fasttrain"]
     result.update(
@@ -508,23 +453,18 @@ def main() -> None:
         fasttrain_wheel=installed_fasttrain(client),
         waited_s=waited,
     )
-    work = a.workdir or Path(tempfile.mkdtemp(prefix=f"bench_clients_{client}_"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"bench_clients_{client}_"))  # model, data and runs
     try:
         print(f"[bench_clients] preparing model and data in {work}", flush=True)
         counts, runs = prepare(client, work, a), []
         for index, side in itertools.product(range(1, a.repeats + 1), SIDES):
-            while a.wait_load > 0 and pytest_running():  # a CI job would share the cores with the run
-                print("[bench_clients] waiting: a pytest process runs", flush=True)
-                time.sleep(60)
             run = train(client, work, a, side, index)
             run["figures"] = f = figures(run, per_step(counts, a.batch_size))
             runs.append(run)
             print(f"[bench_clients] run {index} {side}: {f['tokens_per_s_all']:.1f} tokens/s, peak RSS "
                   f"{f['peak_rss_training_mib']:,.0f} MiB, {run['wall_s']:.0f} s", flush=True)  # fmt: skip
     finally:
-        if a.workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     result.update(wall_s=time.perf_counter() - start, load_after=os.getloadavg()[0], token_counts=counts,
                   summary=summarize(runs, counts, a.batch_size), runs=runs)  # fmt: skip
     stem = f"clients_cpu_{client}" + ("" if a.model == "qwen3-0.6b" else f"_{a.model}")

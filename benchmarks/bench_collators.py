@@ -12,7 +12,6 @@ documents of 16-2048 tokens packed into rows of up to 8192); DPO's ``DataCollato
 Usage:
     python benchmarks/bench_collators.py            # writes benchmarks/results/collators.{json,md}
     python benchmarks/bench_collators.py --smoke     # tiny run, checks that the script works
-    python benchmarks/bench_collators.py --only "TRL KTO" --out /tmp/bench   # one collator, results elsewhere
 """
 
 from __future__ import annotations
@@ -60,11 +59,8 @@ def make_rows(batch: int, min_len: int, max_len: int, rng: np.random.Generator, 
                 "rejected_ids": ids(max_len // 2),
             }
         elif data == "unpaired":
-            row = {
-                "prompt_ids": ids(max_len // 4),
-                "completion_ids": ids(max_len // 2),
-                "label": np.bool_(rng.integers(0, 2)),
-            }
+            row = {"prompt_ids": ids(max_len // 4), "completion_ids": ids(max_len // 2),
+                   "label": np.bool_(rng.integers(0, 2))}  # fmt: skip
         else:
             row = {"input_ids": ids(max_len)}
             row["attention_mask"] = np.ones(len(row["input_ids"]), dtype=np.int64)
@@ -85,10 +81,8 @@ def convert(rows: list[dict], kind: str) -> list[dict]:
     if kind == "torch":
         return [{k: torch.from_numpy(v.astype(np.int64)) for k, v in r.items()} for r in rows]
     if kind == "arrow":
-        ds = datasets.Dataset.from_dict({k: [r[k].tolist() for r in rows] for k in rows[0]}).with_format(
-            "numpy"
-        )
-        return [ds[i] for i in range(len(ds))]
+        ds = datasets.Dataset.from_dict({k: [r[k].tolist() for r in rows] for k in rows[0]})
+        return list(ds.with_format("numpy"))
     raise ValueError(kind)
 
 
@@ -139,15 +133,10 @@ def trl_cases(max_len: int) -> list[tuple[str, str, object, object, str]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--min-len", type=int, default=16)
-    p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--calls", type=int, default=30, help="timed calls per collator and case (alternating)")
-    p.add_argument("--batches", type=int, default=4, help="distinct batches cycled through")
-    p.add_argument("--seed", type=int, default=0)
+    # --calls: timed calls per collator and case (alternating); --batches: distinct batches cycled through
+    _common.int_options(p, batch=64, min_len=16, max_len=2048, calls=30, batches=4, seed=0)
     p.add_argument("--out", type=Path, default=_common.RESULTS)
     p.add_argument("--smoke", action="store_true", help="tiny sizes; results are not written")
-    p.add_argument("--only", help="measure only the collators whose name contains this text (e.g. 'TRL KTO')")
     args = p.parse_args()
     if args.smoke:
         args.batch, args.max_len, args.calls, args.batches = 8, 64, 3, 2
@@ -160,8 +149,6 @@ def main() -> None:
     }
     results = []
     for name, kind, ref, ours, data in cases(tok, args.max_len):
-        if args.only is not None and args.only not in name:
-            continue
         batches = [convert(rows, kind) for rows in raw[data]]
         if differ := _common.batch_difference(ours(batches[0]), ref(batches[0])):
             raise SystemExit(f"{name} on {kind} input: outputs differ from the reference: {differ}")
@@ -182,8 +169,7 @@ def main() -> None:
              "reference_cpu_ms_per_batch": r_cpu * 1e3, "fasttrain_cpu_ms_per_batch": o_cpu * 1e3,
              "speedup_cpu_time": r_cpu / o_cpu, "mean_tokens_per_batch": tokens}
         )  # fmt: skip
-        print(f"{name:62s} {kind:6s} reference {r_med * 1e3:8.2f} ms  fasttrain {o_med * 1e3:7.3f} ms  "
-              f"x{r_med / o_med:6.1f}  (CPU time x{r_cpu / o_cpu:6.1f})", flush=True)  # fmt: skip
+        print(f"{name:62s} {kind:6s} x{r_med / o_med:6.1f}  (CPU time x{r_cpu / o_cpu:6.1f})", flush=True)
     method = (
         "reference and fasttrain called alternately on the same batches, the garbage collector run before and off "
         "during each call (as timeit does); medians of wall time, and of the process's CPU time (which leaves out "
@@ -203,13 +189,10 @@ def main() -> None:
         "| fasttrain examples/s | speedup | CPU ms/batch: reference, fasttrain | speedup (CPU time) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for x in results:
-        lines.append(
-            f"| {x['collator']} | {x['input']} | {x['reference_ms_per_batch']:.2f} | "
-            f"{x['fasttrain_ms_per_batch']:.3f} | {x['reference_examples_per_s']:,.0f} | "
-            f"{x['fasttrain_examples_per_s']:,.0f} | {x['speedup']:.1f}x | {x['reference_cpu_ms_per_batch']:.2f}, "
-            f"{x['fasttrain_cpu_ms_per_batch']:.3f} | {x['speedup_cpu_time']:.1f}x |"
-        )
+    lines += [f"| {x['collator']} | {x['input']} | {x['reference_ms_per_batch']:.2f} | {x['fasttrain_ms_per_batch']:.3f} "
+              f"| {x['reference_examples_per_s']:,.0f} | {x['fasttrain_examples_per_s']:,.0f} | {x['speedup']:.1f}x "
+              f"| {x['reference_cpu_ms_per_batch']:.2f}, {x['fasttrain_cpu_ms_per_batch']:.3f} "
+              f"| {x['speedup_cpu_time']:.1f}x |" for x in results]  # fmt: skip
     _common.write(args.out, "collators", record, "Collators: fasttrain (Rust) vs transformers and TRL", lines)
 
 

@@ -71,10 +71,8 @@ def measure(args, rng: np.random.Generator) -> list[dict]:
     results = []
     for batch_size in args.batch_sizes:
         batches = [rows(batch_size, rng, args.max_len, len(tok)) for _ in range(args.batches)]
-        assert (
-            _common.batch_difference(sft([dict(r) for r in batches[0]]), contenders["fasttrain"](batches[0]))
-            is None
-        )
+        first = [dict(r) for r in batches[0]]  # a copy: LLaMA-Factory's collator pops the media keys
+        assert _common.batch_difference(sft(first), contenders["fasttrain"](batches[0])) is None
         for fn in contenders.values():  # warm-up: first calls pay for imports and allocations
             fn([dict(r) for r in batches[0]])
         # fresh shallow copies, made outside the timed call: LLaMA-Factory's collator pops the media keys
@@ -87,24 +85,15 @@ def measure(args, rng: np.random.Generator) -> list[dict]:
         row = {"batch": batch_size, **{f"{n}_examples_per_s": batch_size / m for n, m in median.items()}}
         row["speedup_vs_llamafactory"] = median["llamafactory"] / median["fasttrain"]
         results.append(row)
-        print(
-            f"batch {batch_size:3d}: llamafactory {row['llamafactory_examples_per_s']:10,.0f}/s  transformers "
-            f"{row['transformers_examples_per_s']:10,.0f}/s  fasttrain {row['fasttrain_examples_per_s']:10,.0f}/s  "
-            f"x{row['speedup_vs_llamafactory']:.1f}",
-            flush=True,
-        )
+        print(f"batch {batch_size:3d}: {row}", flush=True)
     return results
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
-    p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument(
-        "--calls", type=int, default=40, help="timed calls per contender and batch size (alternating)"
-    )
-    p.add_argument("--batches", type=int, default=4, help="distinct batches cycled through")
-    p.add_argument("--seed", type=int, default=0)
+    # --calls: timed calls per contender and batch size (alternating); --batches: distinct batches cycled through
+    setup = _common.int_options(p, max_len=2048, calls=40, batches=4, seed=0)
     p.add_argument("--out", type=Path, default=_common.RESULTS)
     p.add_argument("--smoke", action="store_true", help="tiny sizes; results are not written")
     args = p.parse_args()
@@ -112,12 +101,7 @@ def main() -> None:
         args.batch_sizes, args.max_len, args.calls, args.batches = [2, 8], 64, 3, 2
     transformers.logging.set_verbosity_error()
     record = _common.new_result("collators_llamafactory", "llamafactory", "numpy")
-    record["setup"] = {
-        "max_len": args.max_len,
-        "calls": args.calls,
-        "batches": args.batches,
-        "seed": args.seed,
-    }
+    record["setup"] = {name: getattr(args, name) for name in setup}
     record["speed"] = measure(args, np.random.default_rng(args.seed))
     if args.smoke:
         print("smoke run: results not written")
@@ -133,12 +117,8 @@ def main() -> None:
         "| batch | LLaMA-Factory SFT | transformers | fasttrain's twin | twin / LLaMA-Factory |",
         "| ---: | ---: | ---: | ---: | ---: |",
     ]
-    for x in record["speed"]:
-        lines.append(
-            f"| {x['batch']} | {x['llamafactory_examples_per_s']:,.0f} | "
-            f"{x['transformers_examples_per_s']:,.0f} | {x['fasttrain_examples_per_s']:,.0f} | "
-            f"{x['speedup_vs_llamafactory']:.1f}x |"
-        )
+    lines += [f"| {x['batch']} | {x['llamafactory_examples_per_s']:,.0f} | {x['transformers_examples_per_s']:,.0f} "
+              f"| {x['fasttrain_examples_per_s']:,.0f} | {x['speedup_vs_llamafactory']:.1f}x |" for x in record["speed"]]  # fmt: skip
     title = "LLaMA-Factory's SFT collator against fasttrain's twin of it"
     _common.write(args.out, "collators_llamafactory", record, title, lines)
 

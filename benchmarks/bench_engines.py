@@ -18,7 +18,6 @@ import itertools
 import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -61,9 +60,8 @@ def _start_engine(engine: str) -> int:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skip a minutes-long C++ build
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         state = PartialState()
-        if (
-            dist.is_initialized() and state.num_processes != dist.get_world_size()
-        ):  # as tests/_deepspeed_worker.py
+        # as tests/_deepspeed_worker.py
+        if dist.is_initialized() and state.num_processes != dist.get_world_size():
             state.num_processes = dist.get_world_size()
             state.process_index = dist.get_rank()
             state.local_process_index = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
@@ -96,14 +94,12 @@ def _train(engine: str, patched: bool, a) -> dict:
         extra.update(use_cpu=False, deepspeed={"zero_optimization": {"stage": int(engine[-1])}, **auto})
     elif engine == "fsdp2":
         PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU  # keeps the FSDP plugin
-        extra.update(
-            fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["Qwen3DecoderLayer"]}
-        )
-    model = _common.tiny_qwen3(
-        a.vocab, a.hidden, a.layers, intermediate_size=2 * a.hidden, max_position_embeddings=a.seq_len
-    )
+        wrap = {"version": 2, "transformer_layer_cls_to_wrap": ["Qwen3DecoderLayer"]}
+        extra.update(fsdp=True, fsdp_config=wrap)
+    model = _common.tiny_qwen3(a.vocab, a.hidden, a.layers, intermediate_size=2 * a.hidden,
+                               max_position_embeddings=a.seq_len)  # fmt: skip
     args = transformers.TrainingArguments(
-        output_dir=str(Path(a.out_dir) / f"{engine}-{patched}"), per_device_train_batch_size=a.batch,
+        output_dir=str(Path(a.out_file).parent / f"{engine}-{patched}"), per_device_train_batch_size=a.batch,
         max_steps=a.steps, learning_rate=1e-3, warmup_steps=1, max_grad_norm=1.0, logging_steps=1,
         save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
         train_sampling_strategy="group_by_length", **extra,
@@ -143,7 +139,7 @@ def worker(a) -> None:
     for _, name in itertools.product(range(a.reps), runs):
         runs[name].append(_train(a.engine, name == "fasttrain", a))
     if rank == 0:
-        Path(a.out_dir, f"{a.engine}.json").write_text(json.dumps(runs))
+        Path(a.out_file).write_text(json.dumps(runs))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -152,31 +148,22 @@ def worker(a) -> None:
 # ------------------------------------------------------------------------------------------------ driver side
 
 
-def launch(engine: str, a, out_dir: Path) -> dict:
+def launch(engine: str, a) -> dict:
     started = time.perf_counter()
-    worker = ["--worker", "--engine", engine, "--out-dir", out_dir, *_common.forwarded(a, a.sizes)]
-    failure = _common.torchrun(__file__, 2, worker, a.threads)
+    runs, failure = _common.torchrun(
+        __file__, 2, ["--engine", engine, *_common.forwarded(a, a.sizes)], a.threads
+    )
     if failure:
         raise RuntimeError(f"{engine} failed: {failure}")
-    runs = json.loads((out_dir / f"{engine}.json").read_text())
     ref, ours = runs["reference"], runs["fasttrain"]
     ref_s = statistics.median(r["step_s"] for r in ref)
     ours_s = statistics.median(r["step_s"] for r in ours)
     loss_diff = max(abs(x - y) / abs(x) for x, y in zip(ref[0]["losses"], ours[0]["losses"], strict=True))
-    return {
-        "engine": engine,
-        "distributed_type": ours[0]["distributed_type"],
-        "world_size": ours[0]["world_size"],
-        "reference_step_s": ref_s,
-        "fasttrain_step_s": ours_s,
-        "speedup": ref_s / ours_s,
-        "max_rel_loss_diff": loss_diff,
-        "reference_peak_growth_mib": statistics.median(r["peak_rss_growth_mib"] for r in ref),
-        "fasttrain_peak_growth_mib": statistics.median(r["peak_rss_growth_mib"] for r in ours),
-        "status": ours[0]["status"],
-        "launch_s": time.perf_counter() - started,
-        "runs": runs,
-    }
+    return {"engine": engine, "distributed_type": ours[0]["distributed_type"], "world_size": ours[0]["world_size"],
+            "reference_step_s": ref_s, "fasttrain_step_s": ours_s, "speedup": ref_s / ours_s,
+            "max_rel_loss_diff": loss_diff, "status": ours[0]["status"], "launch_s": time.perf_counter() - started,
+            **{f"{side}_peak_growth_mib": statistics.median(r["peak_rss_growth_mib"] for r in runs[side])
+               for side in ("reference", "fasttrain")}, "runs": runs}  # fmt: skip
 
 
 def _markdown(rows: list[dict], a) -> list[str]:
@@ -193,12 +180,9 @@ def _markdown(rows: list[dict], a) -> list[str]:
         " | peak memory fasttrain |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]  # fmt: skip
-    for r in rows:
-        lines.append(
-            f"| {r['engine']} | {r['reference_step_s'] * 1000:.1f} ms | {r['fasttrain_step_s'] * 1000:.1f} ms"
-            f" | {r['speedup']:.2f}x | {r['max_rel_loss_diff']:.1e} | {r['reference_peak_growth_mib']:.0f} MiB"
-            f" | {r['fasttrain_peak_growth_mib']:.0f} MiB |"
-        )
+    lines += [f"| {r['engine']} | {r['reference_step_s'] * 1000:.1f} ms | {r['fasttrain_step_s'] * 1000:.1f} ms"
+              f" | {r['speedup']:.2f}x | {r['max_rel_loss_diff']:.1e} | {r['reference_peak_growth_mib']:.0f} MiB"
+              f" | {r['fasttrain_peak_growth_mib']:.0f} MiB |" for r in rows]  # fmt: skip
     lines += ["", "fasttrain's status line per engine:", ""]
     for r in rows:
         status = ", ".join(f"{k}={v}" for k, v in r["status"].items())
@@ -213,9 +197,7 @@ def main() -> None:
     p.set_defaults(sizes=_common.int_options(p, **sizes))
     p.add_argument("--out", type=Path, default=_common.RESULTS)
     p.add_argument("--shared", action="store_true", help="say in the results that the machine was shared")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--engine", help=argparse.SUPPRESS)
-    p.add_argument("--out-dir", help=argparse.SUPPRESS)
+    _common.worker_options(p, "--engine")
     a = p.parse_args()
     if a.worker:
         worker(a)
@@ -224,10 +206,9 @@ def main() -> None:
     if unknown := set(engines) - set(ENGINES):
         p.error(f"unknown engines {sorted(unknown)}; choose from {','.join(ENGINES)}")
     result = _common.new_result("engines_cpu", "deepspeed")
-    scratch = Path(tempfile.mkdtemp(prefix="bench_engines-"))  # the workers' per-engine JSON
     rows = result["results"] = []
     for engine in engines:
-        row = launch(engine, a, scratch)
+        row = launch(engine, a)
         print(f"{engine}: reference {row['reference_step_s'] * 1000:.1f} ms, fasttrain {row['fasttrain_step_s'] * 1000:.1f}"
               f" ms, {row['speedup']:.2f}x, loss diff {row['max_rel_loss_diff']:.1e}, status {row['status']}",
               flush=True)  # fmt: skip

@@ -76,12 +76,10 @@ def _inputs(tokens: int, width: int, vocab: int, device: str, dtype: str):
     return hidden, weight, torch.randint(0, vocab, (tokens,), device=device)
 
 
-def _reference(hidden, weight, labels):
+def _reference(hidden, weight, labels):  # what ForCausalLMLoss runs after its shift
     from transformers.loss.loss_utils import fixed_cross_entropy
 
-    return fixed_cross_entropy(
-        (hidden @ weight.t()).float(), labels
-    )  # what ForCausalLMLoss runs after its shift
+    return fixed_cross_entropy((hidden @ weight.t()).float(), labels)
 
 
 def _loss_fn(impl: str):
@@ -109,9 +107,7 @@ def _loss_fn(impl: str):
     return linear_cross_entropy
 
 
-def _loss_step(
-    impl: str, tokens: int, width: int, vocab: int = VOCAB, device: str = "cpu", dtype: str = "float32"
-):
+def _loss_step(impl: str, tokens: int, width: int, vocab: int, device: str, dtype: str):
     hidden, weight, labels = _inputs(tokens, width, vocab, device, dtype)
     labels[::5] = -100
     fn = _loss_fn(impl)
@@ -125,9 +121,7 @@ def _loss_step(
     return step
 
 
-def _head_step(
-    impl: str, tokens: int, width: int = HEAD_WIDTH, vocab: int = VOCAB, device="cpu", dtype="float32"
-):
+def _head_step(impl: str, tokens: int, width: int, vocab: int = VOCAB, device="cpu", dtype="float32"):
     import torch
 
     if impl != "gemms":
@@ -143,7 +137,7 @@ def _head_step(
     return step
 
 
-def _model_step(impl: str, tokens: int, width: int, vocab: int = VOCAB, device="cpu", dtype="float32"):
+def _model_step(impl: str, tokens: int, width: int, vocab: int, device: str, dtype: str):
     import torch
 
     from fasttrain.loss.model_patch import enable_fused_loss
@@ -166,9 +160,7 @@ def _model_step(impl: str, tokens: int, width: int, vocab: int = VOCAB, device="
     return step
 
 
-def _trl_step(
-    case: str, impl: str, tokens: int, width: int, vocab: int = VOCAB, device="cpu", dtype="float32"
-):
+def _trl_step(case: str, impl: str, tokens: int, width: int, vocab: int, device: str, dtype: str):
     import torch
     import torch.nn.functional as F
 
@@ -225,40 +217,32 @@ def measure(case: str, impl: str, tokens: int, args) -> dict:
     torch.manual_seed(0)
     width = HEAD_WIDTH if case == "head" else args.hidden
     shape = (tokens, width, args.vocab, args.device, args.dtype)
-    if case.startswith("trl_"):
-        step = _trl_step(case, impl, *shape)
-    else:
-        step = {"loss": _loss_step, "head": _head_step, "model": _model_step}[case](impl, *shape)
+    builders = {"loss": _loss_step, "head": _head_step, "model": _model_step}
+    step = _trl_step(case, impl, *shape) if case.startswith("trl_") else builders[case](impl, *shape)
     loss = step()
     times = [provenance.timed(step, args.device) for _ in range(args.steps)]
-    peak = (
-        torch.cuda.max_memory_allocated()
-        if cuda
-        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    )
+    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # fmt: skip
     return {"time_s": statistics.median(times), "peak_bytes": peak - base, "loss": loss}
 
 
+def measure_or_skip(case: str, impl: str, tokens: int, args) -> dict:
+    """``measure``, or why not: an implementation that does not import is skipped."""
+    try:
+        return measure(case, impl, tokens, args)
+    except ImportError as exc:
+        return {"skipped": str(exc)}
+
+
 def run(case: str, impl: str, tokens: int, args) -> dict:
-    """One run, in a fresh process on CPU; on CUDA in this one. An implementation that does not import: skipped."""
+    """One run, in a fresh process on CPU; on CUDA in this one."""
     if args.device == "cuda":
-        try:
-            return measure(case, impl, tokens, args)
-        except ImportError as exc:
-            return {"skipped": str(exc)}
+        return measure_or_skip(case, impl, tokens, args)
     settings = [f"--{k}={getattr(args, k)}" for k in ("steps", "hidden", "vocab", "dtype", "device")]
     cmd = [sys.executable, __file__, "--child", case, impl, f"--tokens={tokens}", *settings]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{case}/{impl} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _child(case: str, impl: str, args) -> None:
-    try:
-        print(json.dumps(measure(case, impl, args.tokens[0], args)))
-    except ImportError as exc:
-        print(json.dumps({"skipped": str(exc)}))
 
 
 def _cost(case: str, tokens: int, width: int, vocab: int, dtype_bytes: int) -> dict:
@@ -278,9 +262,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per run (after one warm-up)")
     parser.add_argument("--tokens", help="comma list (default: 4096 on CPU, 8192,16384 on CUDA)")
-    parser.add_argument(
-        "--hidden", type=int, help="hidden size of the loss and TRL cases (512 CPU, 4096 CUDA)"
-    )
+    parser.add_argument("--hidden", type=int, help="hidden size of the loss and TRL cases (512 CPU, 4096 CUDA)")  # fmt: skip
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--dtype", help="float32 on CPU, bfloat16 on CUDA by default")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="no new run starts after this")
@@ -291,7 +273,7 @@ def main() -> None:
     args.hidden = args.hidden or DEFAULTS[args.device]["hidden"]
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.child:
-        return _child(*args.child, args)
+        return print(json.dumps(measure_or_skip(*args.child, args.tokens[0], args)))
     deadline = time.monotonic() + args.budget_s
     result = _common.new_result(f"loss_{args.device}", "liger-kernel", "cut-cross-entropy")
     result["limits"] = limits = roofline.measure_limits(args.device)

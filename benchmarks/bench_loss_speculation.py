@@ -78,24 +78,15 @@ def _measure(case: str, dtype: str, args) -> dict:
                 times[speculate].append(seconds)
             grads[speculate] = h.grad.clone()
     spec, exact = (statistics.median(times[s]) for s in (True, False))
-    return {
-        "case": case,
-        "dtype": dtype,
-        "speculation_s": spec,
-        "recompute_s": exact,
-        "recompute_over_speculation": exact / spec,
-        "hidden_grad_bitwise_equal": bool(torch.equal(grads[True], grads[False])),
-    }
+    return {"case": case, "dtype": dtype, "speculation_s": spec, "recompute_s": exact,
+            "recompute_over_speculation": exact / spec,
+            "hidden_grad_bitwise_equal": bool(torch.equal(grads[True], grads[False]))}  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=32_000)
-    parser.add_argument("--reps", type=int, default=5)
+    sizes = _common.int_options(parser, tokens=1024, hidden=256, vocab=32_000, reps=5)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--name", help="results file stem (default: loss_speculation_DEVICE)")
     parser.add_argument("--out", type=Path, default=_common.RESULTS, help="folder for NAME.json and NAME.md")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -104,22 +95,18 @@ def main() -> None:
         _measure(case, dtype, args) for case in ("ce", "trl_sft", "frozen_head") for dtype in ("fp32", "bf16")
     ]
     result = _common.new_result(f"loss_speculation_{args.device}")
-    result["settings"] = {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "reps": args.reps,
-                          "ignored": "1 label in 5"}  # fmt: skip
+    result["settings"] = {**{k: getattr(args, k) for k in sizes}, "ignored": "1 label in 5"}
     result["rows"] = rows
     body = [
         f"- settings: {result['settings']}",
         "",
         "| case | dtype | speculation (s) | recompute (s) | recompute / speculation | hidden grad bitwise equal |",
         "| --- | --- | --- | --- | --- | --- |",
-        *(
-            f"| {r['case']} | {r['dtype']} | {r['speculation_s']:.3f} | {r['recompute_s']:.3f} | "
-            f"{r['recompute_over_speculation']:.2f}x | {r['hidden_grad_bitwise_equal']} |"
-            for r in rows
-        ),
-    ]
+        *(f"| {r['case']} | {r['dtype']} | {r['speculation_s']:.3f} | {r['recompute_s']:.3f} | "
+          f"{r['recompute_over_speculation']:.2f}x | {r['hidden_grad_bitwise_equal']} |" for r in rows),
+    ]  # fmt: skip
     title = f"Chunked-head speculation vs exact recompute ({args.device})"
-    _common.write(args.out, args.name or f"loss_speculation_{args.device}", result, title, body)
+    _common.write(args.out, f"loss_speculation_{args.device}", result, title, body)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -41,10 +40,9 @@ REQUIRED_8BIT_OVER_BF16 = 0.55  # FSDP2: 8-bit states at most this fraction of b
 
 
 def optimizer_state_bytes(optimizer: Any) -> dict[str, Any]:
-    """What one rank's ``optimizer.state`` holds: ``bytes`` (every tensor of every parameter's state, step
-    counters included; a DTensor counts its local shard), ``stepped`` (the elements of the tensors holding state,
-    local shards for DTensors: the parameters this rank's optimizer is responsible for), ``bytes_per_param``
-    (bytes / stepped), ``tensors`` and ``dtypes`` (the state tensors' count and dtypes, step counters included)."""
+    """What one rank's ``optimizer.state`` holds, step counters included, a DTensor counting its local shard:
+    ``bytes``, ``stepped`` (the elements of the parameters this rank's optimizer steps), ``bytes_per_param``,
+    and the state tensors' count and dtypes."""
     import torch
 
     def local(t: Any) -> Any:
@@ -60,13 +58,8 @@ def optimizer_state_bytes(optimizer: Any) -> dict[str, Any]:
                 total += t.numel() * t.element_size()
                 tensors += 1
                 dtypes.add(str(t.dtype).removeprefix("torch."))
-    return {
-        "bytes": total,
-        "stepped": stepped,
-        "bytes_per_param": total / stepped if stepped else float("nan"),
-        "tensors": tensors,
-        "dtypes": sorted(dtypes),
-    }
+    return {"bytes": total, "stepped": stepped, "bytes_per_param": total / stepped if stepped else float("nan"),
+            "tensors": tensors, "dtypes": sorted(dtypes)}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ worker side
@@ -79,8 +72,7 @@ def _optimizer(kind: str, params):
 
     if kind == "torch":
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
-    state_dtype = None if kind == "param" else kind
-    return FusedAdamW(params, lr=1e-4, weight_decay=0.01, state_dtype=state_dtype)
+    return FusedAdamW(params, lr=1e-4, weight_decay=0.01, state_dtype=None if kind == "param" else kind)
 
 
 def _ds_config(stage: int, world: int, batch: int) -> dict:
@@ -143,18 +135,12 @@ def _cell(engine: str, kind: str, a, rank: int, world: int) -> dict:
             opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach().float()))
     counted = optimizer_state_bytes(opt)
-    result = {
-        **counted,
-        "total_params": total_params,
-        "bytes_per_world_share": counted["bytes"] / (total_params / world),
-        # the model's own parameters (DDP, FSDP2) or ZeRO's fp32 partitions, which DeepSpeed's bf16 mode keeps
-        # beside the bf16 model (master weights, outside optimizer.state)
-        "stepped_param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in opt.state}),
-        "optimizer": type(opt).__name__,
-        "wrapped_by": stepped_by,
-        "losses": losses,
-        "seconds": time.perf_counter() - started,
-    }
+    # stepped: the model's own parameters (DDP, FSDP2) or ZeRO's fp32 partitions, which DeepSpeed's bf16 mode
+    # keeps beside the bf16 model (master weights, outside optimizer.state)
+    result = {**counted, "total_params": total_params, "bytes_per_world_share": counted["bytes"] / (total_params / world),
+              "stepped_param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in opt.state}),
+              "optimizer": type(opt).__name__, "wrapped_by": stepped_by, "losses": losses,
+              "seconds": time.perf_counter() - started}  # fmt: skip
     if ds_engine is not None and hasattr(ds_engine, "destroy"):
         ds_engine.destroy()
     return result
@@ -194,24 +180,12 @@ def worker(a) -> None:
 # ------------------------------------------------------------------------------------------------ driver side
 
 
-def launch(engines: list[str], world: int, a, scratch: Path) -> list[dict]:
+def launch(engines: list[str], world: int, a) -> list[dict]:
     """One torchrun launch of ``world`` processes running ``engines`` x every optimizer; its cells."""
-    out_file = scratch / f"{'-'.join(engines)}-{world}.json"
     started = time.perf_counter()
-    worker = [
-        "--worker",
-        "--engines",
-        ",".join(engines),
-        "--optimizers",
-        a.optimizers,
-        "--out-file",
-        out_file,
-    ]
-    failure = _common.torchrun(
-        __file__, world, [*worker, *_common.forwarded(a, a.sizes)], a.threads, a.timeout
-    )
-    seconds = time.perf_counter() - started
-    cells = json.loads(out_file.read_text()) if out_file.exists() else []
+    job = ["--engines", ",".join(engines), "--optimizers", a.optimizers, *_common.forwarded(a, a.sizes)]
+    cells, failure = _common.torchrun(__file__, world, job, a.threads, a.timeout)
+    cells, seconds = cells or [], time.perf_counter() - started
     got = {(c["engine"], c["optimizer"]) for c in cells}
     for engine in engines:
         for kind in a.optimizers.split(","):
@@ -222,20 +196,6 @@ def launch(engines: list[str], world: int, a, scratch: Path) -> list[dict]:
         c["launch_s"] = seconds
     print(f"world {world}, {','.join(engines)}: {seconds:.0f} s {failure or ''}", flush=True)
     return cells
-
-
-def _bf16_state_dtype() -> str:
-    """What FusedAdamW says to ``state_dtype=torch.bfloat16`` (bf16 moments come from state_dtype=None on bf16
-    parameters)."""
-    import torch
-
-    from fasttrain import FusedAdamW
-
-    try:
-        FusedAdamW([torch.nn.Parameter(torch.zeros(2))], state_dtype=torch.bfloat16)
-    except ValueError as err:
-        return f"refused: {err}"
-    return "accepted"
 
 
 def _summary(cells: list[dict]) -> list[dict]:
@@ -251,9 +211,7 @@ def _summary(cells: list[dict]) -> list[dict]:
             "bytes_per_param": max(r["bytes_per_param"] for r in ranks),
             "bytes_per_param_min": min(r["bytes_per_param"] for r in ranks),
             "bytes_per_world_share": max(r["bytes_per_world_share"] for r in ranks),
-            "stepped_max_rank": max(r["stepped"] for r in ranks),
-            "seconds": max(r["seconds"] for r in ranks),
-            **{k: ranks[0][k] for k in ("total_params", "dtypes", "stepped_param_dtypes", "optimizer", "wrapped_by")},
+            **{k: ranks[0][k] for k in ("total_params", "dtypes")},
         }  # fmt: skip
     out = []
     for key in sorted(rows, key=lambda k: (ENGINES.index(k[0]), k[1])):
@@ -307,16 +265,10 @@ def _markdown(result: dict) -> list[str]:
             lines.append("| " + " | ".join(cells + [ratio_text(row)] * ratio) + " |")
         return lines
 
-    checks = [
-        f"- {ENGINE_NAMES[row['engine']]}, {row['world']} processes: "
-        + (
-            f"{r:.3f}x ({'pass' if r <= REQUIRED_8BIT_OVER_BF16 else 'FAIL'})"
-            if (r := row.get("8bit_over_param"))
-            else "n/a (not measured)"
-        )
-        for row in rows
-        if row["engine"].startswith("fsdp2")
-    ]
+    checks = [f"- {ENGINE_NAMES[row['engine']]}, {row['world']} processes: "
+              + (f"{r:.3f}x ({'pass' if r <= REQUIRED_8BIT_OVER_BF16 else 'FAIL'})"
+                 if (r := row.get("8bit_over_param")) else "n/a (not measured)")
+              for row in rows if row["engine"].startswith("fsdp2")]  # fmt: skip
     return [
         f"- model: Qwen3, hidden {a.hidden}, {a.layers} layers, vocabulary {a.vocab} (untied lm_head), {total:,}"
         f" parameters, random init, bf16 parameters; {a.steps} optimizer step(s) on {a.batch} x {a.seq_len}"
@@ -324,9 +276,7 @@ def _markdown(result: dict) -> list[str]:
         "- counted: after the step(s), on each rank, the bytes of every tensor in `optimizer.state` (step counters"
         " included: 4 B per parameter tensor), a DTensor's local shard only; under DeepSpeed the states of the fp32"
         " partitions ZeRO hands the optimizer. Each cell is the largest value over the ranks"
-        " (a range where ranks differ).",
-        f"- `FusedAdamW(state_dtype=torch.bfloat16)`: {result['bf16_state_dtype']}. bf16 moments are"
-        " `state_dtype=None` on bf16 parameters (the 'param dtype' column).",
+        " (a range where ranks differ). bf16 moments are `state_dtype=None` on bf16 parameters.",
         "",
         "## Bytes per stepped parameter, per rank",
         "",
@@ -348,32 +298,9 @@ def _markdown(result: dict) -> list[str]:
         "",
         *checks,
         "",
-        "## Notes",
-        "",
-        "- DeepSpeed: ZeRO steps the client optimizer on its own flat fp32 partitions (bf16 mode keeps them as"
-        " master weights beside the bf16 model, 4 B per partitioned parameter outside `optimizer.state`), so"
-        " torch's AdamW and `state_dtype=None` keep fp32 moments there, and the 8-bit ratio is over fp32 moments;"
-        " `8bit` quantizes whole partitions.",
-        "- FSDP2 with 8-bit: 1-D parameters (the RMSNorm weights) keep fp32 moments on shards; tensors below"
-        " `min_8bit_size` (4,096 elements) keep fp32 moments everywhere.",
-        "- What each engine's optimizer stepped (rank 0, FusedAdamW 8bit cell; the wrapper is the model's under"
-        " DDP/FSDP2, the ZeRO optimizer's under DeepSpeed), and the seconds of the slowest cell of the row"
-        " (model build, engine set-up, step):",
-        "",
-        *[_stepped_line(row) for row in rows],
+        "DeepSpeed's ZeRO steps the optimizer on its own fp32 partitions (master weights beside the bf16 model),"
+        " so there torch's AdamW and `state_dtype=None` keep fp32 moments and the 8-bit ratio is over fp32 moments.",
     ]  # fmt: skip
-
-
-def _stepped_line(row: dict) -> str:
-    c = row["cells"].get("8bit") or next(iter(row["cells"].values()))
-    where = f"  - {ENGINE_NAMES[row['engine']]}, {row['world']} processes:"
-    if "error" in c:
-        return f"{where} {c['error'].splitlines()[0]}"
-    slowest = max((x["seconds"] for x in row["cells"].values() if "seconds" in x), default=float("nan"))
-    return (
-        f"{where} {c['stepped_max_rank']:,} elements of {'/'.join(c['stepped_param_dtypes'])} a rank (at most),"
-        f" wrapped by {c['wrapped_by']}; state dtypes {'/'.join(c['dtypes'])}; slowest cell {slowest:.1f} s"
-    )
 
 
 TITLE = "Optimizer-state memory per rank: engines x state_dtype (CPU processes, gloo)"
@@ -388,32 +315,23 @@ def main() -> None:
     p.set_defaults(sizes=_common.int_options(p, **sizes))
     p.add_argument("--timeout", type=int, default=600, help="seconds a launch may take")
     p.add_argument("--out", type=Path, default=_common.RESULTS)
-    p.add_argument(
-        "--render", metavar="JSON", help="only rewrite the .md beside a results .json from its data"
-    )
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out-file", help=argparse.SUPPRESS)
+    _common.worker_options(p)
     a = p.parse_args()
     if a.worker:
         worker(a)
-        return
-    if a.render:
-        saved = json.loads(Path(a.render).read_text())
-        _common.write(Path(a.render).parent, Path(a.render).stem, saved, TITLE, _markdown(saved))
         return
     engines = a.engines.split(",")
     if unknown := set(engines) - set(ENGINES) or set(a.optimizers.split(",")) - set(OPTIMIZERS):
         p.error(f"unknown {sorted(unknown)}; engines: {ENGINES}; optimizers: {OPTIMIZERS}")
     result = _common.new_result("optimizer_memory_cpu", "deepspeed")
-    result.update(args={**vars(a), "out": str(a.out)}, bf16_state_dtype=_bf16_state_dtype())
+    result.update(args={**vars(a), "out": str(a.out)})
     started = time.perf_counter()
-    scratch = Path(tempfile.mkdtemp(prefix="bench_optimizer_memory-"))
     cells: list[dict] = []
     for world in map(int, a.worlds.split(",")):
         here = [e for e in engines if e != "fsdp2-hybrid" or world == 4]  # hybrid: the 2 x 2 mesh only
         for deepspeed in (False, True):  # one launch for torch's engines, one for DeepSpeed's
             if family := [e for e in here if e.startswith("zero") == deepspeed]:
-                cells += launch(family, world, a, scratch)
+                cells += launch(family, world, a)
     result.update(wall_s=time.perf_counter() - started, summary=_summary(cells), cells=cells)
     _common.write(a.out, "optimizer_memory_cpu", result, TITLE, _markdown(result))
 

@@ -32,9 +32,8 @@ def _dataset(n: int, vocab: int, median: int, longest: int, seed: int = 0):
 
 
 def _run(kind: str, args, dataset, out: str):
-    model = _common.tiny_qwen3(
-        args.vocab, args.hidden, args.layers, max_position_embeddings=2048, attn_implementation="sdpa"
-    )
+    model = _common.tiny_qwen3(args.vocab, args.hidden, args.layers, max_position_embeddings=2048,
+                               attn_implementation="sdpa")  # fmt: skip
     collator = transformers.DataCollatorForLanguageModeling(_common.word_level_tokenizer(), mlm=False)
     targs = transformers.TrainingArguments(
         output_dir=out, per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=3e-3,
@@ -77,18 +76,11 @@ def main() -> None:
     median = {k: statistics.median(v) for k, v in times.items()}
     diff = {k: max(abs(a - b) for a, b in zip(losses[k], losses["reference"], strict=True)) for k in kinds}
     batches = [lengths[i : i + args.batch] for i in range(0, n, args.batch)]
-    result.update(
-        real_tokens=tokens,
-        padded_tokens=int(sum(max(b) * len(b) for b in batches)),
-        seconds=times,
-        median_seconds=median,
-        tokens_per_second={k: tokens / v for k, v in median.items()},
-        speedup_vs_reference={k: median["reference"] / v for k, v in median.items()},
-        packed_vs_fasttrain_padded=median["fasttrain-padded"] / median["fasttrain-packed"],
-        max_step_loss_diff_vs_reference=diff,
-        packing_status=packing,
-        losses=losses,
-    )
+    result.update(real_tokens=tokens, padded_tokens=int(sum(max(b) * len(b) for b in batches)), seconds=times,
+                  median_seconds=median, tokens_per_second={k: tokens / v for k, v in median.items()},
+                  speedup_vs_reference={k: median["reference"] / v for k, v in median.items()},
+                  packed_vs_fasttrain_padded=median["fasttrain-padded"] / median["fasttrain-packed"],
+                  max_step_loss_diff_vs_reference=diff, packing_status=packing, losses=losses)  # fmt: skip
     lines = [
         f"Qwen3-shaped, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, sdpa; {n} examples, "
         f"log-normal lengths (median {args.median}, 16..{args.longest}), batch {args.batch}, {args.steps} steps, "
@@ -96,14 +88,11 @@ def main() -> None:
         "",
         "| run | median s | real tokens/s | vs reference | max per-step loss diff vs reference |",
         "| --- | ---: | ---: | ---: | ---: |",
-        *[
-            f"| {k} | {median[k]:.1f} | {tokens / median[k]:.0f} | {median['reference'] / median[k]:.2f}x "
-            f"| {diff[k]:.2e} |"
-            for k in kinds
-        ],
+        *[f"| {k} | {median[k]:.1f} | {tokens / median[k]:.0f} | {median['reference'] / median[k]:.2f}x "
+          f"| {diff[k]:.2e} |" for k in kinds],
         "",
         f"packed vs fasttrain padded: {result['packed_vs_fasttrain_padded']:.2f}x; packing status: {packing}",
-    ]
+    ]  # fmt: skip
     title = "packing: reference padded vs fasttrain packed vs fasttrain padded"
     print(_common.write(args.out, "packing", result, title, lines))
 

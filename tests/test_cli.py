@@ -396,7 +396,7 @@ def test_the_built_in_default_is_what_it_was():
     assert [c.name for c in contenders] == [REFERENCE, FASTTRAIN]
 
 
-# The arguments benchmarks/gpu/bench_e2e_gpu.sh and bench_trl_gpu.sh gave `fasttrain bench`, GPU and --smoke
+# The arguments the GPU kit's former scripts gave `fasttrain bench`, GPU and --smoke
 _KIT = {
     "gpu-e2e": (
         "--device cuda --model qwen3-0.6b --bf16 --seq-len 4096 --batch-size 2 --steps 8 --warmup-steps 2 --repeats 2",

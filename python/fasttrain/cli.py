@@ -91,15 +91,11 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _version() -> str:
+def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    return __version__
-
-
-def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fasttrain", description="fasttrain: a faster transformers Trainer")
-    parser.add_argument("--version", action="version", version=f"fasttrain {_version()}")
+    parser.add_argument("--version", action="version", version=f"fasttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _bench_parser(sub)
     return parser
@@ -209,12 +205,9 @@ def _check(s: dict) -> None:
         if parent and not os.path.isdir(parent):
             raise UsageError(f"--{key} {s[key]!r}: the directory {parent!r} does not exist")
     if s.get("plot"):
-        from .bench.report import PlotUnavailable, check_plot_available
+        from .bench.report import check_plot_available
 
-        try:
-            check_plot_available()
-        except PlotUnavailable as exc:
-            raise UsageError(str(exc)) from None
+        check_plot_available()  # PlotUnavailable: a usage error too (main)
 
 
 def resolve(args: argparse.Namespace):
@@ -299,10 +292,8 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
         ]
         data["load_average"] = {"end": provenance.load_average()}
         if during:
-            data["load_average"]["during_runs"] = {
-                "mean": sum(d["mean"] for d in during) / len(during),
-                "max": max(d["max"] for d in during),
-            }
+            mean = sum(d["mean"] for d in during) / len(during)
+            data["load_average"]["during_runs"] = {"mean": mean, "max": max(d["max"] for d in during)}
         if limit is not None:
             from .bench.roofline import percent_of_limit
 
@@ -318,12 +309,11 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
         if args.markdown:
             report.write_text(args.markdown, report.markdown(config, data))
 
+    def on_run(results, failures) -> None:
+        write_files(assemble(results, failures, complete=False))
+
     results, failures = runner.run_all(
-        config,
-        contenders,
-        repeats,
-        progress=not args.no_progress,
-        on_run=lambda results, failures: write_files(assemble(results, failures, complete=False)),
+        config, contenders, repeats, progress=not args.no_progress, on_run=on_run
     )
     data = assemble(results, failures, complete=True)
     print(report.text_table(config, data))
@@ -354,11 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    from .bench.report import PlotUnavailable
     from .bench.runner import BenchError, RunFailed
 
     try:
         return bench(args, argv)
-    except (UsageError, BenchError) as exc:
+    except (UsageError, BenchError, PlotUnavailable) as exc:
         print(f"fasttrain bench: error: {exc}", file=sys.stderr)
         return 2
     except RunFailed as exc:

@@ -82,7 +82,7 @@ class Contender:
 
 def dump(path, payload: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump(payload, handle, indent=2, sort_keys=False)
+        json.dump(payload, handle, indent=2)
         handle.write("\n")
 
 

@@ -42,13 +42,9 @@ def stdlib_files(root: pathlib.Path | None = None) -> list[pathlib.Path]:
 
 def iter_documents(root: pathlib.Path | None = None, min_chars: int = 64) -> Iterator[str]:
     """The text of each stdlib file, skipping near-empty ones (``__init__.py`` stubs) and undecodable ones."""
-    for path in stdlib_files(root):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if len(text) >= min_chars:
-            yield text
+    yield from (
+        text for text in map(_read, stdlib_files(root)) if text is not None and len(text) >= min_chars
+    )
 
 
 def leading_files(max_bytes: int, root: pathlib.Path | None = None) -> list[pathlib.Path]:
@@ -63,14 +59,15 @@ def leading_files(max_bytes: int, root: pathlib.Path | None = None) -> list[path
     return out
 
 
+def _read(path: pathlib.Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
+
+
 def read_texts(paths: list[pathlib.Path]) -> list[str]:
-    texts = []
-    for path in paths:
-        try:
-            texts.append(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, OSError):
-            continue
-    return texts
+    return [text for text in map(_read, paths) if text is not None]
 
 
 def top_level_blocks(text: str) -> list[str]:

@@ -1,16 +1,10 @@
 """Training examples for the bench: the same token ids, in the same order, for every contender.
 
-Each example is one document tokenized and truncated to ``seq_len`` from its start, as in ordinary
-fine-tuning with ``max_length`` truncation. For the built-in corpus a document is a run of consecutive
-top-level blocks (module header, functions, classes) of one stdlib file, joined while they fit in
-``seq_len`` (a longer block is truncated alone), so lengths vary from a few dozen tokens to ``seq_len``;
-for a local or hub dataset it is one row's ``text``. Documents shorter than ``seq_len`` stay shorter, so batches are padded
-by the collator: real variable-length fine-tuning data. That is ``--lengths natural``.
-
-``--lengths lognormal`` draws the lengths instead, like instruction-tuning data: log-normal with median
-``LOGNORMAL_MEDIAN`` tokens and shape ``LOGNORMAL_SIGMA``, clipped to ``MIN_TOKENS..seq_len`` (seeded by
-``--seed``, the same for every contender), and fills each example with the next tokens of the same corpus,
-read as one stream (documents end to end, an end-of-text token between two).
+``--lengths natural``: each document truncated to ``seq_len`` from its start, shorter ones left short (padded by the
+collator). A document of the built-in corpus is a run of consecutive top-level blocks of one stdlib file joined
+while they fit in ``seq_len``; of a local or hub dataset, one row's ``text``. ``--lengths lognormal``: seeded
+log-normal lengths like instruction data, each example filled with the next tokens of the data read as one stream
+(an end-of-text token between two documents). docs/method.md says the same for users.
 """
 
 from __future__ import annotations
@@ -167,23 +161,21 @@ def describe_lognormal(upper: int | str, lower: int = MIN_TOKENS) -> str:
     )
 
 
-def lognormal_lengths(count: int, seq_len: int, seed: int) -> list[int]:
-    """``count`` lengths from the log-normal distribution of ``--lengths lognormal``, in ``MIN_TOKENS..seq_len``."""
+def lognormal_lengths(count: int, seq_len: int, seed, lower: int = MIN_TOKENS) -> list[int]:
+    """``count`` lengths from the log-normal distribution of ``--lengths lognormal``, in ``lower..seq_len``;
+    ``seed`` is anything ``numpy.random.default_rng`` takes."""
     import numpy as np
 
     drawn = np.random.default_rng(seed).lognormal(np.log(LOGNORMAL_MEDIAN), LOGNORMAL_SIGMA, size=count)
-    return np.clip(np.rint(drawn), MIN_TOKENS, max(seq_len, MIN_TOKENS)).astype(np.int64).tolist()
+    return np.clip(np.rint(drawn), lower, max(seq_len, lower)).astype(np.int64).tolist()
 
 
 def _token_documents(spec: str, tokenizer) -> Iterable[list[int]]:
     """Every document of the data, tokenized whole (no truncation)."""
     if spec == DEFAULT:
         for document in corpus.iter_documents():
-            yield [
-                t
-                for ids in tokenizer(corpus.top_level_blocks(document), add_special_tokens=False)["input_ids"]
-                for t in ids
-            ]
+            blocks = tokenizer(corpus.top_level_blocks(document), add_special_tokens=False)["input_ids"]
+            yield [token for ids in blocks for token in ids]
         return
     rows = _load_rows(spec)
     if "input_ids" in rows.column_names:

@@ -25,15 +25,14 @@ class Shape:
     num_key_value_heads: int
     head_dim: int
     intermediate_size: int
-    description: str
 
 
 # The real Qwen3 shapes are taken from their published configs; the small ones exist for CPU runs.
 BUILTIN_SHAPES: dict[str, Shape] = {
-    "tiny": Shape(32, 1, 2, 1, 16, 64, "test-sized: 1 layer, hidden 32"),
-    "qwen3-cpu": Shape(128, 2, 4, 2, 32, 384, "CPU bench default: 2 layers, hidden 128"),
-    "qwen3-0.6b": Shape(1024, 28, 16, 8, 128, 3072, "Qwen3-0.6B shape: 28 layers, hidden 1024"),
-    "qwen3-1.7b": Shape(2048, 28, 16, 8, 128, 6144, "Qwen3-1.7B shape: 28 layers, hidden 2048"),
+    "tiny": Shape(32, 1, 2, 1, 16, 64),
+    "qwen3-cpu": Shape(128, 2, 4, 2, 32, 384),
+    "qwen3-0.6b": Shape(1024, 28, 16, 8, 128, 3072),
+    "qwen3-1.7b": Shape(2048, 28, 16, 8, 128, 6144),
 }
 
 
@@ -53,13 +52,9 @@ def shape_summary(hidden: int, layers: int, vocab: int, parameters: int, tied: b
     (every weight matrix once; attention scores aside, they grow with the context): a tied embedding is the
     head itself, an untied one is a free lookup and left out."""
     matmul = parameters - (0 if tied else vocab * hidden)
-    return {
-        "hidden_size": hidden,
-        "num_hidden_layers": layers,
-        "vocab_size": vocab,
-        "parameters": parameters,
-        "lm_head_matmul_share": vocab * hidden / matmul if matmul > 0 else None,
-    }
+    share = vocab * hidden / matmul if matmul > 0 else None
+    return dict(hidden_size=hidden, num_hidden_layers=layers, vocab_size=vocab, parameters=parameters,
+                lm_head_matmul_share=share)  # fmt: skip
 
 
 def builtin_summary(name: str) -> dict:
@@ -94,23 +89,15 @@ def describe_summary(summary: dict) -> str:
 
 
 def _millions(count: int) -> str:
-    if count >= 1e9:
-        return f"{count / 1e9:.2f}B"
-    return f"{count / 1e6:.0f}M" if count >= 1e8 else f"{count / 1e6:.1f}M"
+    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.{0 if count >= 1e8 else 1}f}M"
 
 
 def builtin_config(name: str, max_position_embeddings: int):
     from transformers import Qwen3Config
 
-    shape = BUILTIN_SHAPES[name]
     return Qwen3Config(
+        **dataclasses.asdict(BUILTIN_SHAPES[name]),
         vocab_size=QWEN3_VOCAB,
-        hidden_size=shape.hidden_size,
-        num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim,
-        intermediate_size=shape.intermediate_size,
         max_position_embeddings=max(max_position_embeddings, 4096),
         tie_word_embeddings=True,
         rope_theta=1_000_000.0,

@@ -1,14 +1,9 @@
-"""The two phases of a GRPO or RLOO step, measured apart: generation and training.
+"""The two phases of a GRPO or RLOO step, measured apart: generation (inside the policy's ``model.generate``,
+wrapped on the model instance so that TRL's classes stay as they are) and training (the rest of the step).
 
-Generation is the time inside the policy's ``model.generate``, wrapped on the model instance in the bench's own
-worker: TRL's classes stay as they are, and TRL calls the wrapper because it calls ``unwrapped_model.generate``.
-Training is the rest of the optimizer step (docs/method.md).
-
-Peak memory per phase: each phase change reads the peak since the last change and resets it, so every moment of
-the run after ``start`` belongs to exactly one phase. On CUDA that is ``max_memory_allocated`` and
-``reset_peak_memory_stats``; on CPU the kernel's peak RSS of the process (VmHWM in /proc/self/status), reset by
-writing 5 to /proc/self/clear_refs (Linux 4.0 and later). Where the reset is refused the phases have no peaks
-of their own (None) and the run's peak is still known.
+Peak memory per phase: each phase change reads the peak since the last one and resets it, so every moment after
+``start`` belongs to one phase: ``max_memory_allocated`` on CUDA; on CPU the peak RSS (VmHWM), reset by writing 5
+to /proc/self/clear_refs (Linux 4.0+). Where the reset is refused the phases have no peaks (None); the run's stays.
 """
 
 from __future__ import annotations
@@ -84,11 +79,8 @@ def completion_tokens(output: Any, prompt_width: int, eos_ids: list[int]) -> int
 
 
 def _eos_ids(model, kwargs: dict[str, Any]) -> list[int]:
-    config = kwargs.get("generation_config") or model.generation_config
-    eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)
+    eos = getattr(kwargs.get("generation_config") or model.generation_config, "eos_token_id", None)
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 class PhaseMeter:
@@ -112,23 +104,15 @@ class PhaseMeter:
         original = model.generate  # the bound method (or a synthetic stand-in set on the instance)
 
         def generate(*args, **kwargs):
-            self._close(TRAINING)
-            if self.is_cuda:
-                import torch
-
-                torch.cuda.synchronize()
+            self._close(TRAINING)  # synchronizes on CUDA: the generation's timing starts with an idle GPU
             started, started_cpu = time.perf_counter(), time.process_time()
             output = original(*args, **kwargs)
-            if self.is_cuda:
-                import torch
-
-                torch.cuda.synchronize()
+            self._close(GENERATION)
             self._step["s"] += time.perf_counter() - started
             self._step["cpu_s"] += time.process_time() - started_cpu
             prompt = kwargs.get("input_ids", args[0] if args else None)
             self._step["tokens"] += completion_tokens(output, prompt.shape[1], _eos_ids(model, kwargs))
             self.generate_calls += 1
-            self._close(GENERATION)
             return output
 
         model.generate = generate

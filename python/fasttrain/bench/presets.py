@@ -21,12 +21,8 @@ from . import models
 _COMMON: dict[str, Any] = {"dataset": "default", "grad_accum": 1, "warmup_steps": 2, "repeats": 2, "seed": 0,
                           "lr": 1e-3, "group_by_length": False, "liger": None}  # fmt: skip
 # GRPO and RLOO generate before they train: --seq-len limits the prompts, --batch-size counts completions
-_GENERATION = {
-    "num_generations": 8,
-    "max_completion_length": 512,
-    "completions": "sampled",
-    "warmup_steps": 1,
-}
+_GENERATION = {"num_generations": 8, "max_completion_length": 512, "completions": "sampled",
+               "warmup_steps": 1}  # fmt: skip
 _TINY_CPU = {"device": "cpu", "model": "tiny", "repeats": 1}
 # The tiny-CPU twins (--smoke): a run of seconds that goes through the same code as its preset
 _TWIN = {**_TINY_CPU, "steps": 3, "warmup_steps": 1, "seq_len": 64, "batch_size": 2}

@@ -26,25 +26,13 @@ from typing import Any
 CATEGORIES = ("matmuls", "LM head", "attention", "optimizer", "elementwise and other ops")
 OUTSIDE = "outside operators"
 
-_GEMMS = {
-    "aten::mm",
-    "aten::addmm",
-    "aten::bmm",
-    "aten::baddbmm",
-    "aten::matmul",
-    "aten::linear",
-    "aten::_mm",
-}
+_GEMMS = {f"aten::{op}" for op in ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_mm")}
 _OPTIMIZER_SCOPES = ("Optimizer.step#", "Optimizer.zero_grad#")
 
 
 def _has_vocab(shapes: Any, vocab: int) -> bool:
     return any(
-        isinstance(shape, (list, tuple))
-        and shape
-        and isinstance(shape[0], int)
-        and vocab in (shape[0], shape[-1])
-        for shape in shapes or ()
+        shape and isinstance(shape[0], int) and vocab in (shape[0], shape[-1]) for shape in shapes or ()
     )
 
 
@@ -96,10 +84,11 @@ class StepProfiler:
             return
         import torch
 
-        activities = [torch.profiler.ProfilerActivity.CPU]
         if self.is_cuda:
             torch.cuda.synchronize()
-        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self._profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+        )
         self._profiler.__enter__()
         self._usage = resource.getrusage(resource.RUSAGE_SELF)
         self._t0 = time.perf_counter()

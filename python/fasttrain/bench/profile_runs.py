@@ -17,14 +17,8 @@ from . import profile, provenance, report, runner
 from .config import BenchConfig, Contender
 
 
-def profile_contenders(
-    config: BenchConfig,
-    contenders: list[Contender],
-    failures: dict[str, str],
-    limit: dict[str, Any] | None,
-    origin: dict[str, Any],
-    path: str,
-) -> dict[str, Any]:
+def profile_contenders(config: BenchConfig, contenders: list[Contender], failures: dict[str, str],
+                       limit: dict[str, Any] | None, origin: dict[str, Any], path: str) -> dict[str, Any]:  # fmt: skip
     """Profile every contender that did not fail; write ``path``; return what the JSON report keeps."""
     profiled = dataclasses.replace(config, steps=config.warmup_steps + 1, profile=True)
     profiles: dict[str, dict[str, Any]] = {}

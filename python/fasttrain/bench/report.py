@@ -10,14 +10,9 @@ from typing import Any
 from .config import BenchConfig
 
 # What the reference and fasttrain columns are, per --trainer
-_SIDES = {
-    "transformers": ("transformers.Trainer, optim=adamw_torch_fused", "fasttrain.Trainer"),
-    "sft": ("TRL SFTTrainer, plain", "TRL SFTTrainer under fasttrain.patch()"),
-    "dpo": ("TRL DPOTrainer, plain", "TRL DPOTrainer under fasttrain.patch()"),
-    "kto": ("TRL KTOTrainer, plain", "TRL KTOTrainer under fasttrain.patch()"),
-    "grpo": ("TRL GRPOTrainer, plain", "TRL GRPOTrainer under fasttrain.patch()"),
-    "rloo": ("TRL RLOOTrainer, plain", "TRL RLOOTrainer under fasttrain.patch()"),
-}
+_SIDES = {t: (f"TRL {t.upper()}Trainer, plain", f"TRL {t.upper()}Trainer under fasttrain.patch()")
+          for t in ("sft", "dpo", "kto", "grpo", "rloo")}  # fmt: skip
+_SIDES["transformers"] = ("transformers.Trainer, optim=adamw_torch_fused", "fasttrain.Trainer")
 
 
 class PlotUnavailable(RuntimeError):
@@ -41,11 +36,8 @@ def _hot_paths(summary: dict[str, Any]) -> str:
     if not status:
         return "none reported" if summary["trainer"] == "fasttrain" else "-"
     on = [name for name, state in status.items() if state == "on"]
-    off = []
-    for name, state in status.items():
-        if state != "on":
-            reason = state.removeprefix("off:").strip() if state.startswith("off:") else state
-            off.append(f"{name} ({reason})" if reason and reason != "off" else name)
+    reasons = {name: state.removeprefix("off:").strip() for name, state in status.items() if state != "on"}
+    off = [f"{name} ({reason})" if reason and reason != "off" else name for name, reason in reasons.items()]
     parts = ([", ".join(on) + " on"] if on else []) + (["off: " + ", ".join(off)] if off else [])
     return "; ".join(parts)
 
@@ -73,11 +65,9 @@ def finished_columns(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 def _table_columns(data: dict[str, Any]) -> list[tuple[str, dict[str, Any] | None]]:
     """``finished_columns`` plus, in their place, the contenders that failed before finishing a run (``None``)."""
     finished = dict(finished_columns(data))
-    failed = [name for name in data.get("failed", {}) if name not in finished]
-    order = ["reference", "liger", "fasttrain"]
-    named = [(n, finished.get(n)) for n in order if n in finished or n in failed]
-    rest = [(n, finished.get(n)) for n in dict.fromkeys([*finished, *failed]) if n not in order]
-    return named + rest
+    rank = {name: index for index, name in enumerate(["reference", "liger", "fasttrain"])}
+    names = sorted(dict.fromkeys([*finished, *data.get("failed", {})]), key=lambda n: rank.get(n, len(rank)))
+    return [(name, finished.get(name)) for name in names]
 
 
 def _first_line(error: str, limit: int = 160) -> str:
@@ -122,43 +112,38 @@ def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     failed = data.get("failed", {})
     header = ["", *[name for name, _ in columns]]
 
-    def line(label: str, key: str, digits: int = 1, ratio_key: str | None = None) -> list[str]:
-        cells = [label]
-        for name, summary in columns:
-            if summary is None:
-                cells.append("failed")
-                continue
-            cell = _fmt(summary.get(key), digits)
-            vs = comparison.get(f"{name}_vs_reference")
-            if ratio_key and vs is not None and cell != "n/a":
-                cell += f" ({_ratio(vs.get(ratio_key))})"
-            cells.append(cell)
-        return cells
+    def line(label: str, cell) -> list[str]:
+        """``cell(summary, comparison with the reference or None)`` per contender; "failed" for a failed one."""
+        return [
+            label,
+            *("failed" if s is None else cell(s, comparison.get(f"{n}_vs_reference")) for n, s in columns),
+        ]
+
+    def figure(label: str, key: str, digits: int = 1, ratio_key: str | None = None) -> list[str]:
+        def cell(summary: dict[str, Any], vs: dict[str, Any] | None) -> str:
+            text = _fmt(summary.get(key), digits)
+            with_ratio = ratio_key and vs is not None and text != "n/a"
+            return f"{text} ({_ratio(vs.get(ratio_key))})" if with_ratio else text
+
+        return line(label, cell)
 
     synthetic = data.get("config", {}).get("completions") == "synthetic"
     figures = _PHASE_ROWS if _has_phases(data) else _ROWS[: 6 if "matmul_limit" in data else 5]
     # synthetic completions: no generation rows (their "generation" draws random numbers)
-    table = [line(*row) for row in figures if not (synthetic and row[0].startswith("generation:"))]
-    table.append(line("final loss", "final_loss", 4))
+    table = [figure(*row) for row in figures if not (synthetic and row[0].startswith("generation:"))]
+    table.append(figure("final loss", "final_loss", 4))
 
     def worst(w: dict[str, Any]) -> str:
         if w.get("metric"):
             return f"{_sci(w.get('max_rel'))} ({w['metric']})"
         return "0 (every metric equal)" if w.get("max_rel") == 0 else "n/a"
 
-    def agreement(label: str, cell) -> list[str]:
-        cells = [label]
-        for name, summary in columns:
-            vs = comparison.get(f"{name}_vs_reference")
-            cells.append("failed" if summary is None else cell(summary, vs))
-        return cells
-
     table += [
-        agreement("largest per-step loss diff vs reference (abs / rel)",
+        line("largest per-step loss diff vs reference (abs / rel)",
                   lambda s, vs: "-" if vs is None else _abs_rel(vs["loss_difference"]).replace("n/a / n/a", "n/a")),
-        agreement("largest per-step metric diff vs reference (rel, metric)",
+        line("largest per-step metric diff vs reference (rel, metric)",
                   lambda s, vs: "-" if vs is None else worst(vs.get("largest_metric_difference") or {})),
-        agreement("largest loss diff between own repetitions",
+        line("largest loss diff between own repetitions",
                   lambda s, vs: _sci(s["loss_difference_between_repetitions"])),
     ]  # fmt: skip
     if failed:
@@ -220,14 +205,8 @@ def _abs_rel(difference: dict[str, Any] | None) -> str:
 
 def share_rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """One row per ablated hot path: fasttrain with every path on against fasttrain with that path off."""
-    header = [
-        "hot path switched off",
-        "tokens/s without it",
-        "fasttrain with it (speed-up)",
-        "tokens per CPU-second (speed-up)",
-        "peak memory without it (MB)",
-        "fasttrain's peak with it (ratio)",
-    ]
+    header = ["hot path switched off", "tokens/s without it", "fasttrain with it (speed-up)",
+              "tokens per CPU-second (speed-up)", "peak memory without it (MB)", "fasttrain's peak with it (ratio)"]  # fmt: skip
     ours = data.get("fasttrain") or {}
     table = [
         [path, _fmt(share["tokens_per_s_without"], 1),
@@ -275,11 +254,11 @@ def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
         f"{plural(reference['repetitions'], 'repetition')} per contender, medians; {warmup_note(excluded)}; "
         f"memory: {reference['memory_kind']}",
         *([f"WARNING: {NO_WARMUP_NOTE}"] if excluded == 0 else []),
-        *(
-            [f"matmul limit: {limit['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s ({limit['measured']})"]
-            if limit
-            else []
-        ),
+        *[
+            f"matmul limit: {m['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s ({m['measured']})"
+            for m in [limit]
+            if m
+        ],
         *_load_note(data),
         *_progress_note(data),
         "how each figure is measured: docs/method.md",
@@ -447,16 +426,16 @@ def plot(path: str, config: BenchConfig, data: dict[str, Any]) -> None:
     )
     colors = ["0.6" if name == "reference" else f"C{i}" for i, name in enumerate(names)]
     for (name, summary), color in zip(columns, colors, strict=True):
-        steps = [i + 1 for i, loss in enumerate(summary["losses"]) if loss is not None]
-        losses = [loss for loss in summary["losses"] if loss is not None]
-        if name == "reference":  # wide and pale underneath, so that matching curves stay visible
-            ax_loss.plot(steps, losses, color="0.6", linewidth=4, alpha=0.6, label=name, zorder=1)
-        else:
-            ax_loss.plot(steps, losses, color=color, marker=".", label=name, zorder=2)
+        steps_losses = [(i + 1, loss) for i, loss in enumerate(summary["losses"]) if loss is not None]
+        # the reference wide and pale underneath, so that matching curves stay visible
+        style = (
+            {"linewidth": 4, "alpha": 0.6, "zorder": 1}
+            if name == "reference"
+            else {"marker": ".", "zorder": 2}
+        )
+        ax_loss.plot(*zip(*steps_losses, strict=True), color=color, label=name, **style)
     ax_loss.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_loss.set_xlabel("optimizer step")
-    ax_loss.set_ylabel("training loss")
-    ax_loss.set_title("loss per step")
+    ax_loss.set(xlabel="optimizer step", ylabel="training loss", title="loss per step")
     ax_loss.legend()
     for axis, key, title in (
         (ax_tps, "tokens_per_s", "throughput (tokens/s, higher is better)"),

@@ -27,7 +27,6 @@ from .rewards import REWARD_FUNCS
 
 SAMPLED = "sampled"
 SYNTHETIC = "synthetic"
-COMPLETION_KINDS = (SAMPLED, SYNTHETIC)
 STOP_IDS = 600  # extra ids that end a built-in model's completion (see the module's docstring)
 
 
@@ -49,10 +48,9 @@ def synthetic_generate(config: BenchConfig, tokenizer, pad_id: int):
     end-of-text or pad id among them) of a log-normal length clipped to ``1..max_completion_length``, an end-of-text
     id at the end of those shorter than the limit, pad after. Call ``n`` draws from seed ``(config.seed, n)``:
     the same completions on both sides."""
-    import numpy as np
     import torch
 
-    from .data import LOGNORMAL_MEDIAN, LOGNORMAL_SIGMA
+    from .data import lognormal_lengths
 
     limit = config.max_completion_length
     eos = tokenizer.eos_token_id
@@ -61,9 +59,7 @@ def synthetic_generate(config: BenchConfig, tokenizer, pad_id: int):
 
     def generate(input_ids=None, attention_mask=None, generation_config=None, **kwargs):
         rows = input_ids.shape[0]
-        rng = np.random.default_rng((config.seed, calls[0]))
-        lengths = np.clip(np.rint(rng.lognormal(np.log(LOGNORMAL_MEDIAN), LOGNORMAL_SIGMA, rows)), 1, limit)
-        lengths = lengths.astype(np.int64).tolist()
+        lengths = lognormal_lengths(rows, limit, (config.seed, calls[0]), lower=1)
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + calls[0])
         calls[0] += 1
         width = max(lengths)
@@ -90,15 +86,8 @@ def _reference_by_name(model, output_dir: str) -> None:
     model.config._name_or_path = path
 
 
-def build_trainer(
-    config: BenchConfig,
-    contender: Contender,
-    model,
-    tokenizer,
-    examples: list[list[int]],
-    output_dir: str,
-    callback,
-) -> Any:
+def build_trainer(config: BenchConfig, contender: Contender, model, tokenizer, examples: list[list[int]],
+                  output_dir: str, callback) -> Any:  # fmt: skip
     """TRL's GRPOTrainer or RLOOTrainer (``config.trainer_type``) for ``contender``, plain or under ``patch()``."""
     import datasets
     import trl
@@ -106,10 +95,8 @@ def build_trainer(
     from . import models
 
     # under fasttrain.patch() already for the fasttrain side (trl_runs.build_trainer)
-    trainer_cls, args_cls = {
-        "grpo": (trl.GRPOTrainer, trl.GRPOConfig),
-        "rloo": (trl.RLOOTrainer, trl.RLOOConfig),
-    }[config.trainer_type]
+    kind = config.trainer_type.upper()
+    trainer_cls, args_cls = getattr(trl, f"{kind}Trainer"), getattr(trl, f"{kind}Config")
     args = args_cls(
         **training_kwargs(config, contender, output_dir, args_cls),
         num_generations=config.num_generations,

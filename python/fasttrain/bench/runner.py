@@ -36,11 +36,7 @@ class RunFailed(RuntimeError):
 
 
 def schedule(contenders: list[Contender], repeats: int) -> list[tuple[int, Contender]]:
-    order: list[tuple[int, Contender]] = []
-    for round_index in range(repeats):
-        ring = contenders if round_index % 2 == 0 else list(reversed(contenders))
-        order.extend((round_index, contender) for contender in ring)
-    return order
+    return [(r, c) for r in range(repeats) for c in (contenders if r % 2 == 0 else contenders[::-1])]
 
 
 def _child_env(contender: Contender) -> dict[str, str]:
@@ -65,30 +61,18 @@ def run_one(
     config: BenchConfig, contender: Contender, workdir: str, tag: str, on_step: Callable[[int], None]
 ) -> dict[str, Any]:
     """One child run; ``on_step(n)`` is called with the number of optimizer steps finished since the last call."""
-    job_path = os.path.join(workdir, f"{tag}.job.json")
-    result_path = os.path.join(workdir, f"{tag}.result.json")
-    progress_path = os.path.join(workdir, f"{tag}.progress")
-    log_path = os.path.join(workdir, f"{tag}.log")
-    dump(
-        job_path,
-        {
-            "config": config.to_json(),
-            "contender": contender.to_json(),
-            "result_path": result_path,
-            "progress_path": progress_path,
-        },
+    job_path, result_path, progress_path, log_path = (
+        os.path.join(workdir, tag + suffix) for suffix in (".job.json", ".result.json", ".progress", ".log")
     )
+    job = {"config": config.to_json(), "contender": contender.to_json()}
+    dump(job_path, {**job, "result_path": result_path, "progress_path": progress_path})
     open(progress_path, "w").close()
     seen = 0
     loads: list[float] = []
     next_load = 0.0
     with open(log_path, "w", encoding="utf-8") as log:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "fasttrain.bench.worker", job_path],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=_child_env(contender),
-        )
+        command = [sys.executable, "-m", "fasttrain.bench.worker", job_path]
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_child_env(contender))
         try:
             while True:
                 code = child.poll()
@@ -148,14 +132,9 @@ def run_all(
     failures: dict[str, str] = {}
     # The bar counts the steps of every run (runs x --steps); the description says which run and which of its
     # own steps, so that `--steps 4` reads "step 4/4" and the total is labelled as the sum over runs.
-    bar = tqdm(
-        total=len(order) * config.steps,
-        disable=not progress,
-        file=sys.stderr,
-        dynamic_ncols=True,
-        desc="starting",
-        bar_format="{desc}|{bar}| {n_fmt}/{total_fmt} steps of all runs [{elapsed}<{remaining}]",
-    )
+    bar_format = "{desc}|{bar}| {n_fmt}/{total_fmt} steps of all runs [{elapsed}<{remaining}]"
+    bar = tqdm(total=len(order) * config.steps, disable=not progress, file=sys.stderr, dynamic_ncols=True,
+               desc="starting", bar_format=bar_format)  # fmt: skip
     try:
         with tempfile.TemporaryDirectory(prefix="fasttrain-bench-") as workdir:
             for index, (round_index, contender) in enumerate(order):

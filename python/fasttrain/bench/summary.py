@@ -59,15 +59,11 @@ def _metrics(run: dict[str, Any]) -> dict[str, list]:
 
 # GRPO and RLOO (bench/phases.py): the figures of each phase, medians over repetitions like the others; a run
 # without them (every other trainer) leaves them out
-PHASE_KEYS = (
-    "generation_time_s",
-    "generation_tokens_per_s",
-    "generation_peak_memory_mb",
-    "training_phase_time_s",
-    "training_peak_memory_mb",
-    "training_peak_above_setup_mb",
-    "step_tokens_per_s",
-)
+PHASE_KEYS = ("generation_time_s", "generation_tokens_per_s", "generation_peak_memory_mb", "training_phase_time_s",
+              "training_peak_memory_mb", "training_peak_above_setup_mb", "step_tokens_per_s")  # fmt: skip
+# Medians over repetitions, in every run
+_MEDIAN_KEYS = ("tokens_per_s", "step_time_s", "tokens_per_cpu_s", "peak_memory_mb", "memory_after_setup_mb",
+                "peak_above_setup_mb")  # fmt: skip
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -78,12 +74,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "trainer_class": first["trainer_class"],
         "fasttrain_disable": first.get("fasttrain_disable"),
         "repetitions": len(runs),
-        "tokens_per_s": _median([r["tokens_per_s"] for r in runs]),
-        "step_time_s": _median([r["step_time_s"] for r in runs]),
-        "tokens_per_cpu_s": _median([r.get("tokens_per_cpu_s", float("nan")) for r in runs]),
-        "peak_memory_mb": _median([r["peak_memory_mb"] for r in runs]),
-        "memory_after_setup_mb": _median([r["memory_after_setup_mb"] for r in runs]),
-        "peak_above_setup_mb": _median([r["peak_above_setup_mb"] for r in runs]),
+        **{key: _median([r.get(key, float("nan")) for r in runs]) for key in _MEDIAN_KEYS},
         "memory_kind": first["memory_kind"],
         "losses": first["losses"],
         "metrics": _metrics(first),
@@ -99,14 +90,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         ),
         "runs": runs,
     }
-    for key in PHASE_KEYS:
-        if key in first:
-            summary[key] = _median([r.get(key) for r in runs])
-    if "phases" in first:
-        summary["phases"] = first["phases"]
-        summary["generated_tokens_per_step"] = first["generated_tokens_per_step"]
-    if "gpu_name" in first:
-        summary["gpu_name"] = first["gpu_name"]
+    summary.update({key: _median([r.get(key) for r in runs]) for key in PHASE_KEYS if key in first})
+    summary.update(
+        {key: first[key] for key in ("phases", "generated_tokens_per_step", "gpu_name") if key in first}
+    )
     if first.get("train_flops_per_token"):
         summary["train_flops_per_token"] = first["train_flops_per_token"]
     return summary
@@ -121,17 +108,12 @@ def _ratio(numerator: dict[str, Any], denominator: dict[str, Any], key: str) -> 
 
 
 def compare(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
-    def ratio(key: str) -> float:
-        return _ratio(other, reference, key)
-
-    phases = {f"{key}_ratio": ratio(key) for key in PHASE_KEYS if key in reference and key in other}
+    ratios = {key + "_ratio": key for key in PHASE_KEYS if key in reference and key in other}
+    ratios.update(tokens_per_s_ratio="tokens_per_s", step_time_ratio="step_time_s",
+                  tokens_per_cpu_s_ratio="tokens_per_cpu_s", peak_memory_ratio="peak_memory_mb",
+                  peak_above_setup_ratio="peak_above_setup_mb")  # fmt: skip
     return {
-        **phases,
-        "tokens_per_s_ratio": ratio("tokens_per_s"),
-        "step_time_ratio": ratio("step_time_s"),
-        "tokens_per_cpu_s_ratio": ratio("tokens_per_cpu_s"),
-        "peak_memory_ratio": ratio("peak_memory_mb"),
-        "peak_above_setup_ratio": ratio("peak_above_setup_mb"),
+        **{name: _ratio(other, reference, key) for name, key in ratios.items()},
         "loss_difference": loss_difference(reference["losses"], other["losses"]),
         "metric_differences": (diffs := metric_differences(reference["metrics"], other["metrics"])),
         "largest_metric_difference": largest_metric_difference(diffs),
@@ -151,14 +133,13 @@ def build(results: dict[str, list[dict[str, Any]]], failures: dict[str, str] | N
         out["ablations"] = summaries
     comparison: dict[str, Any] = {}
     reference = out.get(REFERENCE)
-    for name in (FASTTRAIN, LIGER):
-        if name in out and reference is not None:
-            comparison[f"{name}_vs_reference"] = compare(reference, out[name])
+    others = {name: out[name] for name in (FASTTRAIN, LIGER) if name in out} | out.get("ablations", {})
+    if reference is not None:
+        comparison.update(
+            {f"{name}_vs_reference": compare(reference, other) for name, other in others.items()}
+        )
     if FASTTRAIN in out and LIGER in out:
         comparison["fasttrain_vs_liger"] = compare(out[LIGER], out[FASTTRAIN])
-    for name, summary in out.get("ablations", {}).items():
-        if reference is not None:
-            comparison[f"{name}_vs_reference"] = compare(reference, summary)
     out["comparison"] = comparison
     if FASTTRAIN in out and out.get("ablations"):
         out["shares"] = shares(out[FASTTRAIN], out["ablations"])

@@ -64,16 +64,8 @@ def unpaired_rows(examples: list[list[int]], tokenizer, seq_len: int, seed: int)
     return rows
 
 
-def build_trainer(
-    config: BenchConfig,
-    contender: Contender,
-    model,
-    ref_model,
-    tokenizer,
-    examples: list[list[int]],
-    output_dir: str,
-    callback,
-) -> Any:
+def build_trainer(config: BenchConfig, contender: Contender, model, ref_model, tokenizer, examples: list[list[int]],
+                  output_dir: str, callback) -> Any:  # fmt: skip
     """The TRL trainer of ``config.trainer_type`` for ``contender``: plain, or under ``fasttrain.patch()``."""
     import datasets
     import trl
@@ -95,10 +87,9 @@ def build_trainer(
         )
         rows, references = sft_rows(examples, config.seed), {}
     else:  # DPO and KTO: text rows, and a frozen reference model
-        trainer_cls, args_cls, make_rows = {
-            "dpo": (trl.DPOTrainer, trl.DPOConfig, preference_rows),
-            "kto": (trl.KTOTrainer, trl.KTOConfig, unpaired_rows),
-        }[config.trainer_type]
+        kind = config.trainer_type.upper()
+        trainer_cls, args_cls = getattr(trl, f"{kind}Trainer"), getattr(trl, f"{kind}Config")
+        make_rows = preference_rows if config.trainer_type == "dpo" else unpaired_rows
         args = args_cls(**training_kwargs(config, contender, output_dir, args_cls), max_length=config.seq_len)
         rows, references = (
             make_rows(examples, tokenizer, config.seq_len, config.seed),

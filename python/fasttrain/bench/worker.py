@@ -65,13 +65,10 @@ def _tokenizer_for(config: BenchConfig):
 
 
 class RealTokenCounter:
-    """Counts the real (non-pad) tokens every training forward receives, from a forward pre-hook on the model.
-
-    Padded batches carry an ``attention_mask``: its sum. Packed (padding-free) rows carry none: the ids that
-    are not the pad id. Counting at the model's input gives padded and packed contenders the same measure
-    without touching the Trainer (overriding ``training_step`` would itself keep fasttrain's packing off,
-    and so would the Trainer's own ``include_num_input_tokens_seen``). The total stays a tensor on the
-    batch's device until ``total()``, read once per optimizer step."""
+    """Counts the real (non-pad) tokens every training forward receives, from a forward pre-hook: the
+    ``attention_mask``'s sum, else (packed rows) the ids that are not the pad id. At the model's input, padded and
+    packed contenders count alike without touching the Trainer (whose own token count would keep fasttrain's
+    packing off). The total stays on the device until ``total()``, read once per optimizer step."""
 
     def __init__(self, model, pad_token_id: int | None, grad_only: bool = False) -> None:
         self.pad_token_id = pad_token_id
@@ -104,14 +101,7 @@ class RealTokenCounter:
         self._handle.remove()
 
 
-def _recorder(
-    config: BenchConfig,
-    progress_path: str | None,
-    is_cuda: bool,
-    counter: RealTokenCounter,
-    meter=None,
-    profiler=None,
-):
+def _recorder(progress_path: str | None, is_cuda: bool, counter: RealTokenCounter, meter=None, profiler=None):
     """A TrainerCallback that records every optimizer step: wall time, real tokens seen (``counter``), and
     every metric logged; for GRPO and RLOO, closes each step's phases (``meter``: bench/phases.py); with
     ``--profile``, profiles the last step (``profiler``: bench/profile.py)."""
@@ -184,14 +174,11 @@ def _transformers_trainer(
     import transformers
     from transformers import DataCollatorForLanguageModeling, TrainingArguments
 
+    import fasttrain
+
     from . import data
 
-    if contender.trainer == FASTTRAIN:
-        import fasttrain
-
-        trainer_cls = fasttrain.Trainer
-    else:
-        trainer_cls = transformers.Trainer
+    trainer_cls = fasttrain.Trainer if contender.trainer == FASTTRAIN else transformers.Trainer
     return trainer_cls(
         model=model,
         args=TrainingArguments(**training_kwargs(config, contender, output_dir, TrainingArguments)),
@@ -219,14 +206,9 @@ class TokenCountError(RuntimeError):
 
 
 def _check_token_count(config: BenchConfig, examples: list[list[int]], tokens_seen: list[int]) -> int | None:
-    """The real (non-pad) tokens of the examples the run consumed, checked against the Trainer's count.
-
-    tokens/s is only comparable between a padded and a packed contender if both count real tokens
-    (``RealTokenCounter``: ``attention_mask.sum()`` when a batch has one, else the ids that are not the pad
-    id). When the run consumed whole epochs (the bench asks for exactly ``examples_needed`` examples, so one epoch
-    unless the data ran out), the count must equal the examples' own lengths; a mismatch stops the run. TRL
-    trainers count differently (DPO counts chosen and rejected rows): None, not checked.
-    """
+    """The real tokens of the examples the run consumed, which ``RealTokenCounter``'s count must equal when the run
+    consumed whole epochs, or tokens/s would not compare a padded and a packed contender. TRL trainers count
+    differently (DPO counts chosen and rejected rows): None, not checked."""
     if config.trainer_type != "transformers" or not examples or config.examples_needed % len(examples):
         return None
     expected = sum(len(e) for e in examples) * (config.examples_needed // len(examples))
@@ -276,26 +258,19 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         allocated_after_setup = torch.cuda.memory_allocated() / 2**20
 
     counter = RealTokenCounter(model, tok.pad_token_id, grad_only=config.generates)
-    meter = None
-    if config.generates:
-        from .phases import PhaseMeter
+    from .phases import PhaseMeter
+    from .profile import StepProfiler
 
-        meter = PhaseMeter(is_cuda)
-    profiler = None
-    if config.profile:
-        from .profile import StepProfiler
-
-        profiler = StepProfiler(config.steps, model.config.vocab_size, is_cuda)
-    recorder = _recorder(config, progress_path, is_cuda, counter, meter, profiler)
+    meter = PhaseMeter(is_cuda) if config.generates else None
+    profiler = StepProfiler(config.steps, model.config.vocab_size, is_cuda) if config.profile else None
+    recorder = _recorder(progress_path, is_cuda, counter, meter, profiler)
     with tempfile.TemporaryDirectory(prefix="fasttrain-bench-") as output_dir:
         if config.trainer_type == "transformers":
             trainer = _transformers_trainer(config, contender, model, tok, examples, output_dir, recorder)
         else:
-            from . import trl_runs
+            from .trl_runs import build_trainer
 
-            trainer = trl_runs.build_trainer(
-                config, contender, model, ref_model, tok, examples, output_dir, recorder
-            )
+            trainer = build_trainer(config, contender, model, ref_model, tok, examples, output_dir, recorder)
         if meter is not None:
             meter.install(model)  # after the trainer: the synthetic stand-in (if any) is in place
         trainer_cls = type(trainer)
@@ -342,29 +317,19 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         "num_examples": len(examples),
         "model_shape": models.model_summary(model),  # what the report says of the model's size
         "pid": os.getpid(),
-        # the roofline of a training step (benchmarks/gpu/summarize.py): plain Trainer runs only, where every
-        # counted token goes forward and backward once
+        # the roofline of a training step (bench/roofline.py): plain Trainer runs only, where every counted
+        # token goes forward and backward once
         "train_flops_per_token": train_flops_per_token(model, examples)
         if config.trainer_type == "transformers"
         else None,
     }
     if is_cuda:
-        peak = torch.cuda.max_memory_allocated() / 2**20
-        result.update(
-            peak_memory_mb=peak,
-            memory_kind="torch.cuda.max_memory_allocated",
-            memory_after_setup_mb=allocated_after_setup,
-            peak_above_setup_mb=peak - allocated_after_setup,
-            gpu_name=torch.cuda.get_device_name(),
-        )
+        peak, setup = torch.cuda.max_memory_allocated() / 2**20, allocated_after_setup
+        result.update(memory_kind="torch.cuda.max_memory_allocated", gpu_name=torch.cuda.get_device_name())
     else:
-        peak = _peak_rss_mb()
-        result.update(
-            peak_memory_mb=peak,
-            memory_kind="peak RSS (ru_maxrss)",
-            memory_after_setup_mb=rss_after_setup,
-            peak_above_setup_mb=peak - rss_after_setup,
-        )
+        peak, setup = _peak_rss_mb(), rss_after_setup
+        result["memory_kind"] = "peak RSS (ru_maxrss)"
+    result.update(peak_memory_mb=peak, memory_after_setup_mb=setup, peak_above_setup_mb=peak - setup)
     if meter is not None:
         from .phases import phase_results
 
