@@ -12,6 +12,7 @@ fail under FASTTRAIN_REQUIRE_CLIENTS=1. About a minute a run; marked `client`, o
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
@@ -135,3 +136,27 @@ def test_dpo_status_says_optimizer_and_clip_on(runs):
         "compute their log-probs and metrics from the full logits inside their own loss, so their loss keeps "
         "TRL's path"
     )
+
+
+# Checked here, not in the main environment: Axolotl brings bitsandbytes (its 8-bit optimizers), and with
+# bitsandbytes installed, peft imports it -- and through it torch's Inductor -- whenever transformers' Trainer is
+# imported: about 8 CPU-seconds more for every training process the other tests start.
+_MAPS_ARE_BITSANDBYTES = """
+import torch
+from bitsandbytes.functional import create_dynamic_map
+from fasttrain.optim import blockwise8
+
+tables = blockwise8.tables(torch.device("cpu"))
+for signed, key in ((True, blockwise8.SIGNED), (False, blockwise8.UNSIGNED)):
+    theirs = create_dynamic_map(signed=signed)
+    assert torch.equal(tables[key], theirs), (signed, (tables[key] - theirs).abs().max().item())
+print("equal")
+"""
+
+
+def test_fasttrain_8bit_maps_are_the_bitsandbytes_maps(interpreter):
+    """fasttrain's 8-bit state quantizes with bitsandbytes' dynamic maps, value for value (the format a user of
+    bitsandbytes' 8-bit AdamW expects)."""
+    done = subprocess.run([str(interpreter), "-c", _MAPS_ARE_BITSANDBYTES], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "equal", done.stderr[-3000:]

@@ -103,10 +103,3 @@ def test_blockwise8_zero_blocks_and_zero_code():
     assert absmax.tolist() == [0.0, 2.0, 0.0]
     assert codes[:300].eq(blockwise8.zero_code(True)).all() and int(codes[300]) == 255
     assert torch.equal(blockwise8.dequantize(codes, absmax, True), x)
-
-
-def test_dynamic_maps_are_bitsandbytes_maps():
-    functional = pytest.importorskip("bitsandbytes.functional")
-    tables = blockwise8.tables(torch.device("cpu"))
-    assert torch.equal(tables[blockwise8.SIGNED], functional.create_dynamic_map(signed=True))
-    assert torch.equal(tables[blockwise8.UNSIGNED], functional.create_dynamic_map(signed=False))
