@@ -12,12 +12,11 @@ or TRITON_INTERPRET=1 on CPU: the kernels' code path at tiny sizes), each mode a
 (torch's memory) on the Triton kernel and on torch's (which is faster decides the default backend on CUDA), fp32
 moments (bf16 parameters), 8-bit moments on the kernel and in the multi-pass torch form, bf16 stochastic rounding;
 on CUDA also bitsandbytes' and torchao's 8-bit AdamW where they import. Each contender alternates with the
-reference on its own copy of the parameters (order reversed every other repetition, the same gradients restored
-before every call), timed by ``fasttrain.bench.provenance.timed`` (CUDA events on a GPU); medians. The step-only
-columns run without clipping: for the default on CPU both sides are the same torch kernel, their ratio is noise.
-After the run both copies took the same steps: their distance over the reference's update is the error column.
-'% lim': the least time the copy bandwidth allows for the bytes a step moves (2 x param + grad + 2 x state per
-parameter, clipping reads the gradient once more) over the measured time (``fasttrain.bench.roofline``).
+reference on its own copy of the parameters, order reversed every other repetition (docs/method.md, "Runs and
+timing"), timed by ``provenance.timed`` (CUDA events on a GPU); medians. The step-only columns run without
+clipping: for the default on CPU both sides are the same torch kernel, their ratio is noise. Error: the copies'
+distance after the same steps over the reference's update. '% lim': the least time the copy bandwidth allows for
+the bytes a step moves over the measured time (``fasttrain.bench.roofline``).
 
     python benchmarks/bench_adamw.py [--reps 9]        # CPU: benchmarks/results/adamw_cpu.{json,md}
     python benchmarks/bench_adamw.py --device cuda --models gpt2-124M,llama3.2-1B --reps 7 --time-cap 23
@@ -28,10 +27,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import itertools
 import os
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -67,6 +68,16 @@ DEFAULTS = {
 }
 
 
+def clip_and_step(opt, params, max_norm: float) -> None:
+    """A clipped step as the Trainer takes it: FusedAdamW hands the clip's coefficient to its step kernel, any
+    other optimizer steps on the gradients ``clip_grad_norm_`` rescaled."""
+    if isinstance(opt, FusedAdamW):
+        opt.defer_clip_grad_norm_(max_norm)
+    else:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+    opt.step()
+
+
 def contenders(dtype: torch.dtype, device: str) -> dict:
     """name -> optimizer factory."""
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -80,64 +91,57 @@ def contenders(dtype: torch.dtype, device: str) -> dict:
             "8bit (torch form)": {"backend": "torch", "state_dtype": "8bit"}}  # fmt: skip
     out = {name: lambda ps, kw=kw: FusedAdamW(ps, lr=1e-4, weight_decay=0.01, **kw) for name, kw in out.items()}  # fmt: skip
     if device == "cuda":
-        for name, path in PEERS.items():
+        for name, module in PEERS.items():
             with contextlib.suppress(Exception):  # not installed, or no binary for this machine
-                cls = __import__(path, fromlist=["AdamW8bit"]).AdamW8bit
+                cls = importlib.import_module(module).AdamW8bit
                 out[name] = lambda ps, cls=cls: cls(ps, lr=1e-4, weight_decay=0.01)
     return out
 
 
+def _start(shapes, dtype, norm: float, device: str) -> tuple[list, list]:
+    """Random parameters, and gradients scaled to a total norm of ``norm``."""
+    g = torch.Generator(device=device).manual_seed(0)
+    params = [torch.randn(s, generator=g, device=device).to(dtype) * 0.02 for s in shapes]
+    grads = [torch.randn(s, generator=g, device=device).to(dtype) for s in shapes]
+    scale = norm / float(torch.linalg.vector_norm(torch.stack([x.float().norm() for x in grads])))
+    return params, [x.mul_(scale) for x in grads]
+
+
+def _distance(xs, ys) -> float:
+    """The L2 distance between two lists of tensors, taken as one vector (each pair reduced in turn)."""
+    pairs = zip(xs, ys, strict=True)
+    return sum(float((x.detach().float() - y.detach().float()).norm()) ** 2 for x, y in pairs) ** 0.5
+
+
 def compare(name, factory, shapes, dtype, norm, args, limits) -> dict:
     """One contender against the reference on the same gradients, alternating; times, bytes, error, % lim."""
-    g = torch.Generator(device=args.device).manual_seed(0)
-    start = [torch.randn(s, generator=g, device=args.device).to(dtype) * 0.02 for s in shapes]
-    grads = [torch.randn(s, generator=g, device=args.device).to(dtype) for s in shapes]
-    scale = norm / float(torch.linalg.vector_norm(torch.stack([x.float().norm() for x in grads])))
-    grads = [x.mul_(scale) for x in grads]
-    sides = {}
+    start, grads = _start(shapes, dtype, norm, args.device)
+    params, opts = {}, {}
     for side, make in (("reference", lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True)),
                        (name, factory)):  # fmt: skip
-        params = [torch.nn.Parameter(x.clone()) for x in start]
-        for p, x in zip(params, grads, strict=True):
+        params[side] = [torch.nn.Parameter(x.clone()) for x in start]
+        for p, x in zip(params[side], grads, strict=True):
             p.grad = x.clone()
-        opt = make(params)
-        fused = isinstance(opt, FusedAdamW)
-
-        def clip_step(opt=opt, params=params, fused=fused):
-            if fused:
-                opt.defer_clip_grad_norm_(1.0)
-            else:
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-
-        sides[side] = {"params": params, "opt": opt, "clip_step": clip_step, "step": opt.step, "times": {}}
+        opts[side] = make(params[side])
+    times = {side: {"clip_step": [], "step": []} for side in opts}
     for rep in range(args.warmup + args.reps):
-        for side in sides if rep % 2 == 0 else list(sides)[::-1]:
-            s = sides[side]
-            for kind in ("clip_step", "step"):
-                for p, x in zip(s["params"], grads, strict=True):
-                    p.grad.copy_(x)
-                seconds = provenance.timed(s[kind], args.device)
+        for side in list(opts)[:: -1 if rep % 2 else 1]:
+            clip_step = partial(clip_and_step, opts[side], params[side], 1.0)
+            for kind, call in (("clip_step", clip_step), ("step", opts[side].step)):
+                for p, x in zip(params[side], grads, strict=True):
+                    p.grad.copy_(x)  # every call steps on the same gradients
+                seconds = provenance.timed(call, args.device)
                 if rep >= args.warmup:
-                    s["times"].setdefault(kind, []).append(seconds * 1e3)
-    ref, ours = sides["reference"], sides[name]
-
-    def distance(xs, ys) -> float:
-        return sum(
-            float((x.detach().float() - y.detach().float()).norm()) ** 2 for x, y in zip(xs, ys, strict=True)
-        )
-
-    diff, update = distance(ours["params"], ref["params"]), distance(ref["params"], start)
+                    times[side][kind].append(seconds * 1e3)
+    update = _distance(params["reference"], start)
+    row = {"error_vs_update": _distance(params[name], params["reference"]) / max(update, 1e-15)}
     n, p_bytes = sum(x.numel() for x in start), start[0].element_size()
-    row = {"error_vs_update": (diff / max(update, 1e-30)) ** 0.5}
-    for side, s in sides.items():
-        med = {kind: statistics.median(t) for kind, t in s["times"].items()}
-        state = _common.state_bytes(s["opt"]) / n
-        moved = {
-            "step": 3 * p_bytes + 2 * state,
-            "clip_step": 4 * p_bytes + 2 * state,
-        }  # grads: param's dtype
-        row[side] = {"median_ms": med, "min_ms": {k: min(t) for k, t in s["times"].items()},
+    for side, ms in times.items():
+        med = {kind: statistics.median(t) for kind, t in ms.items()}
+        state = _common.state_bytes(opts[side]) / n
+        # 2 x param + grad (the param's dtype) + 2 x state; the clip's norm pass reads the gradient once more
+        moved = {"step": 3 * p_bytes + 2 * state, "clip_step": 4 * p_bytes + 2 * state}
+        row[side] = {"median_ms": med, "min_ms": {kind: min(t) for kind, t in ms.items()},
                      "state_bytes_per_param": state,
                      "percent_of_limit": {k: roofline.kernel_percent(med[k] / 1e3, limits, moved=n * moved[k])
                                           for k in med}}  # fmt: skip
@@ -159,14 +163,13 @@ def main() -> None:
     for key, value in DEFAULTS[args.device].items():
         setattr(args, key, getattr(args, key) or value)
     deadline = time.perf_counter() + args.time_cap
-    result = _common.new_result(f"adamw_{args.device}", "bitsandbytes", "torchao")
+    stem, title = f"adamw_{args.device}", f"AdamW step + gradient clipping, {args.device}"
+    result = _common.new_result(stem, "bitsandbytes", "torchao")
     result["limits"] = limits = roofline.measure_limits(args.device)
     result["settings"] = {k: getattr(args, k) for k in ("models", "dtypes", "grad_norms", "reps", "warmup")}
     rows = result["rows"] = []
-    stem, title = f"adamw_{args.device}", f"AdamW step + gradient clipping, {args.device}"
     norms = map(float, args.grad_norms.split(","))
-    grid = itertools.product(args.models.split(","), args.dtypes.split(","), norms)
-    for model, dtype, norm in grid:
+    for model, dtype, norm in itertools.product(args.models.split(","), args.dtypes.split(","), norms):
         shapes, dtype = MODELS[model](), getattr(torch, dtype)
         for name, factory in contenders(dtype, args.device).items():
             row = {"model": model, "n_params": sum(torch.Size(s).numel() for s in shapes), "dtype": str(dtype)[6:],
@@ -175,12 +178,10 @@ def main() -> None:
                 if time.perf_counter() > deadline:
                     raise TimeoutError("time cap")
                 row |= compare(name, factory, shapes, dtype, norm, args, limits)
-            # out of memory, the time cap, a peer without a kernel for this machine: say so, go on
-            except Exception as err:
-                if name in PEERS or isinstance(err, (torch.OutOfMemoryError, TimeoutError)):
-                    row["skipped"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-                else:
+            except Exception as err:  # out of memory, the time cap, a peer with no kernel here: say so, go on
+                if not (name in PEERS or isinstance(err, (torch.OutOfMemoryError, TimeoutError))):
                     raise
+                row["skipped"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
             rows.append(row)
             print(row, flush=True)
             gc.collect()

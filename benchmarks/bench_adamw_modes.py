@@ -25,10 +25,12 @@ from pathlib import Path
 import torch
 
 import _common
+import bench_adamw
 from fasttrain import FusedAdamW
 
 SEQ_LEN, BATCH, EVAL_BATCHES, VOCAB = 128, 8, 4, 1024
 PEAK_LR, WARMUP, MAX_NORM, WEIGHT_DECAY = 3e-3, 20, 1.0, 0.01
+THREADS = 1  # steady timings on a shared machine
 
 
 def model_config():
@@ -60,40 +62,35 @@ def lr_at(step: int, steps: int) -> float:
     return PEAK_LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def optimizers():
-    """label -> (param dtype, factory(params) -> optimizer, fused clip?). The 8-bit AdamWs of bitsandbytes and
-    torchao are imported when their run starts: where they are not installed, the results say so."""
-
-    def ours(**kw):
-        return lambda ps: FusedAdamW(ps, lr=PEAK_LR, weight_decay=WEIGHT_DECAY, **kw)
-
-    def peer(module: str):
-        def build(ps):
-            if module == "torch":
-                return torch.optim.AdamW(ps, lr=PEAK_LR, weight_decay=WEIGHT_DECAY, fused=True)
-            cls = importlib.import_module(module).AdamW8bit
-            return cls(ps, lr=PEAK_LR, weight_decay=WEIGHT_DECAY)
-
-        return build
-
-    runs = {}
-    for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
-        bf16 = dtype == torch.bfloat16
-        table = [
-            ("torch AdamW(fused=True)", peer("torch"), False, True),
-            ("FusedAdamW (default: param-dtype states)", ours(), True, bf16),
-            ("FusedAdamW state_dtype=float32", ours(state_dtype=torch.float32), True, bf16),
-            ("FusedAdamW default + stochastic rounding", ours(bf16_stochastic_rounding=True), True, bf16),
-            ("FusedAdamW state_dtype='8bit'", ours(state_dtype="8bit"), True, True),
-            ("FusedAdamW '8bit' + stochastic rounding", ours(state_dtype="8bit", bf16_stochastic_rounding=True), True, bf16),
-            ("bitsandbytes AdamW8bit", peer("bitsandbytes.optim"), False, True),
-            ("torchao AdamW8bit", peer("torchao.optim"), False, True),
-        ]  # fmt: skip
-        runs.update({f"{tag} | {name}": (dtype, make, fused) for name, make, fused, here in table if here})
-    return runs
+# FusedAdamW's state modes, label -> keyword arguments. On fp32 parameters the default state is fp32 moments and
+# stochastic rounding is bf16's, so of these only the 8-bit state runs there.
+FUSED_MODES = {
+    "FusedAdamW (default: param-dtype states)": {},
+    "FusedAdamW state_dtype=float32": {"state_dtype": torch.float32},
+    "FusedAdamW default + stochastic rounding": {"bf16_stochastic_rounding": True},
+    "FusedAdamW state_dtype='8bit'": {"state_dtype": "8bit"},
+    "FusedAdamW '8bit' + stochastic rounding": {"state_dtype": "8bit", "bf16_stochastic_rounding": True},
+}
+FP32_MODES = ("FusedAdamW state_dtype='8bit'",)
 
 
-def train(label, dtype, factory, fused_clip, data, steps):
+def optimizers() -> dict:
+    """label -> (param dtype, factory(params) -> optimizer): torch's fused AdamW, FusedAdamW's modes, the peers'
+    8-bit AdamWs. A peer's package is imported when its run starts: where it is not installed, the results say so."""
+    hyper = {"lr": PEAK_LR, "weight_decay": WEIGHT_DECAY}
+    factories = {"torch AdamW(fused=True)": lambda ps: torch.optim.AdamW(ps, fused=True, **hyper)}
+    factories |= {name: lambda ps, kw=kw: FusedAdamW(ps, **hyper, **kw) for name, kw in FUSED_MODES.items()}
+    for name, module in bench_adamw.PEERS.items():
+        factories[name] = lambda ps, module=module: importlib.import_module(module).AdamW8bit(ps, **hyper)
+    return {
+        f"{tag} | {name}": (dtype, make)
+        for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32"))
+        for name, make in factories.items()
+        if tag == "bf16" or name not in FUSED_MODES or name in FP32_MODES
+    }
+
+
+def train(label, dtype, factory, data, steps):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -111,11 +108,7 @@ def train(label, dtype, factory, fused_clip, data, steps):
         batch = data[step]
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
-        if fused_clip:
-            opt.defer_clip_grad_norm_(MAX_NORM)
-        else:
-            torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
-        opt.step()
+        bench_adamw.clip_and_step(opt, params, MAX_NORM)
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss))
         if not math.isfinite(losses[-1]):
@@ -130,46 +123,39 @@ def train(label, dtype, factory, fused_clip, data, steps):
             "optimizer": type(opt).__module__ + "." + type(opt).__name__, "train_s": train_s}  # fmt: skip
 
 
-def reference_of(label: str) -> str:
-    tag = label.split(" | ")[0]
-    return f"{tag} | FusedAdamW state_dtype=float32" if tag == "bf16" else f"{tag} | torch AdamW(fused=True)"
-
-
 def plot(path: Path, results: list[dict]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True, layout="tight")
     for ax, tag in zip(axes, ("bf16", "fp32"), strict=True):
         for r in (r for r in results if r["label"].startswith(tag)):
             x = r["losses"]
             smooth = [statistics.fmean(x[max(0, i - 9) : i + 1]) for i in range(len(x))]  # of 10 steps
             ax.plot(smooth, label=r["label"].split(" | ")[1], linewidth=1.2)
-        ax.set_title(f"{tag} parameters: training loss (mean of 10 steps)")
-        ax.set_xlabel("step")
+        ax.set(title=f"{tag} parameters: training loss (mean of 10 steps)", xlabel="step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[0].set_ylabel("loss")
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common.int_options(ap, steps=200, threads=1)  # 1 torch thread: steady on a shared machine
+    _common.int_options(ap, steps=200)
     ap.add_argument("--out", type=Path, default=_common.RESULTS)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(THREADS)
     warnings.filterwarnings("ignore")
     t_start = time.perf_counter()
     info = _common.new_result("adamw_modes", "bitsandbytes", "torchao")
     data = token_batches(args.steps + EVAL_BATCHES)
     results, unavailable = [], {}
-    for label, (dtype, factory, fused_clip) in optimizers().items():
+    for label, (dtype, factory) in optimizers().items():
         try:
-            r = train(label, dtype, factory, fused_clip, data, args.steps)
+            r = train(label, dtype, factory, data, args.steps)
         except Exception as err:  # a peer not installed, or that installs but fails on CPU: say how
             unavailable[label] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
             traceback.print_exc()
@@ -178,22 +164,23 @@ def main() -> None:
         print(f"{label}: final {r['final_loss']:.4f}, held-out {r['held_out_loss']:.4f}, "
               f"{r['state_bytes_per_param']:.3f} B/param state, {r['train_s']:.0f} s", flush=True)  # fmt: skip
     by_label = {r["label"]: r for r in results}
-    torch_ref = {r["param_dtype"]: r for r in results if "torch AdamW" in r["label"]}
     for r in results:
-        ref, t = by_label.get(reference_of(r["label"])), torch_ref.get(r["param_dtype"])
+        tag = r["label"].split(" | ")[0]
+        t = by_label.get(f"{tag} | torch AdamW(fused=True)")
+        # the losses' reference: for bf16 parameters fp32 moments, for fp32 ones torch's fused AdamW
+        ref = by_label.get(f"{tag} | FusedAdamW state_dtype=float32") if tag == "bf16" else t
         r["final_loss_vs_reference"] = r["final_loss"] / ref["final_loss"] if ref else None
         r["held_out_vs_reference"] = r["held_out_loss"] / ref["held_out_loss"] if ref else None
         r["state_vs_torch"] = r["state_bytes"] / t["state_bytes"] if t else None
         r["state_vs_fp32_states"] = r["state_bytes_per_param"] / 8.0
-    info["setup"] = {"steps": args.steps, "torch_threads": args.threads, "seq_len": SEQ_LEN, "batch": BATCH,
+    info["setup"] = {"steps": args.steps, "torch_threads": THREADS, "seq_len": SEQ_LEN, "batch": BATCH,
                      "vocab": VOCAB, "peak_lr": PEAK_LR, "warmup": WARMUP, "max_norm": MAX_NORM,
                      "weight_decay": WEIGHT_DECAY, "model": model_config().to_dict()}  # fmt: skip
     info.update(unavailable=unavailable, results=results, wall_s=time.perf_counter() - t_start)
-    if results:
-        args.out.mkdir(parents=True, exist_ok=True)
-        plot(args.out / "adamw_modes.png", results)
     title = "FusedAdamW state modes: memory and convergence (CPU)"
     print(_common.write(args.out, "adamw_modes", info, title, markdown(info)))
+    if results:
+        plot(args.out / "adamw_modes.png", results)
 
 
 def _x(value, digits=2):

@@ -34,9 +34,7 @@ OPTIMIZER_NAMES = {"torch": "torch AdamW", "param": "FusedAdamW None (param dtyp
                    "float32": "FusedAdamW float32", "8bit": "FusedAdamW 8bit"}  # fmt: skip
 OPTIMIZERS = tuple(OPTIMIZER_NAMES)
 REQUIRED_8BIT_OVER_BF16 = 0.55  # FSDP2: 8-bit states at most this fraction of bf16 states, per rank
-
-
-# ------------------------------------------------------------------------------------------------ counting
+LAUNCH_TIMEOUT_S = 600  # a launch still running then is stopped; its cells record the timeout
 
 
 def optimizer_state_bytes(optimizer: Any) -> dict[str, Any]:
@@ -48,18 +46,12 @@ def optimizer_state_bytes(optimizer: Any) -> dict[str, Any]:
     def local(t: Any) -> Any:
         return t.to_local() if hasattr(t, "to_local") else t
 
-    total = stepped = tensors = 0
-    dtypes: set[str] = set()
-    for param, state in optimizer.state.items():
-        stepped += local(param).numel()
-        for value in state.values():
-            t = local(value)
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-                tensors += 1
-                dtypes.add(str(t.dtype).removeprefix("torch."))
+    held = [local(v) for state in optimizer.state.values() for v in state.values()]
+    held = [t for t in held if isinstance(t, torch.Tensor)]
+    total = sum(t.numel() * t.element_size() for t in held)
+    stepped = sum(local(p).numel() for p in optimizer.state)
     return {"bytes": total, "stepped": stepped, "bytes_per_param": total / stepped if stepped else float("nan"),
-            "tensors": tensors, "dtypes": sorted(dtypes)}  # fmt: skip
+            "tensors": len(held), "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in held})}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ worker side
@@ -85,6 +77,24 @@ def _ds_config(stage: int, world: int, batch: int) -> dict:
     }  # fmt: skip
 
 
+def _wrap(model, engine: str, world: int):
+    """``model`` under DDP or FSDP2 (a unit per decoder layer; full shard, hybrid on a 2 x world/2 mesh, or
+    CPU offload)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    if engine == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    hybrid = engine == "fsdp2-hybrid"
+    mesh = init_device_mesh("cpu", (2, world // 2) if hybrid else (world,),
+                            mesh_dim_names=("replicate", "shard") if hybrid else None)  # fmt: skip
+    offload = CPUOffloadPolicy(pin_memory=False) if engine == "fsdp2-offload" else OffloadPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, offload_policy=offload)
+    return fully_shard(model, mesh=mesh, offload_policy=offload)
+
+
 def _cell(engine: str, kind: str, a, rank: int, world: int) -> dict:
     """One optimizer under one engine: ``a.steps`` steps, then this rank's state bytes."""
     import torch
@@ -94,42 +104,27 @@ def _cell(engine: str, kind: str, a, rank: int, world: int) -> dict:
     ).to(torch.bfloat16)
     total_params = sum(p.numel() for p in model.parameters())
     started = time.perf_counter()
-    ds_engine = None
-    if engine.startswith("zero"):
+    ds = engine.startswith("zero")
+    if ds:
         import deepspeed
 
         opt = _optimizer(kind, model.parameters())
-        ds_engine, wrapper, _, _ = deepspeed.initialize(
-            model=model, optimizer=opt, config=_ds_config(int(engine[-1]), world, a.batch)
-        )
+        config = _ds_config(int(engine[-1]), world, a.batch)
+        model, wrapper, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         stepped_by = type(wrapper).__name__
     else:
-        if engine == "ddp":
-            model = torch.nn.parallel.DistributedDataParallel(model)
-        else:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-
-            shape, names = (
-                ((2, world // 2), ("replicate", "shard")) if engine == "fsdp2-hybrid" else ((world,), None)
-            )
-            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-            offload = CPUOffloadPolicy(pin_memory=False) if engine == "fsdp2-offload" else OffloadPolicy()
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh, offload_policy=offload)
-            fully_shard(model, mesh=mesh, offload_policy=offload)
+        model = _wrap(model, engine, world)
         opt = _optimizer(kind, model.parameters())
         stepped_by = type(model).__name__
     losses = []
     for step in range(a.steps):
         g = torch.Generator().manual_seed(1000 * step + rank)
         ids = torch.randint(2, a.vocab, (a.batch, a.seq_len), generator=g)
-        if ds_engine is not None:
-            loss = ds_engine(input_ids=ids, labels=ids).loss
-            ds_engine.backward(loss)
-            ds_engine.step()
+        loss = model(input_ids=ids, labels=ids).loss
+        if ds:  # DeepSpeed's engine runs the backward and the optimizer itself
+            model.backward(loss)
+            model.step()
         else:
-            loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -141,8 +136,8 @@ def _cell(engine: str, kind: str, a, rank: int, world: int) -> dict:
               "stepped_param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in opt.state}),
               "optimizer": type(opt).__name__, "wrapped_by": stepped_by, "losses": losses,
               "seconds": time.perf_counter() - started}  # fmt: skip
-    if ds_engine is not None and hasattr(ds_engine, "destroy"):
-        ds_engine.destroy()
+    if ds and hasattr(model, "destroy"):
+        model.destroy()
     return result
 
 
@@ -159,7 +154,7 @@ def worker(a) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for engine in a.engines.split(","):
-        for kind in a.optimizers.split(","):
+        for kind in OPTIMIZERS:
             try:
                 cell = _cell(engine, kind, a, rank, world)
             except Exception as err:  # a cell that fails is reported as such; the others go on
@@ -181,57 +176,55 @@ def worker(a) -> None:
 
 
 def launch(engines: list[str], world: int, a) -> list[dict]:
-    """One torchrun launch of ``world`` processes running ``engines`` x every optimizer; its cells."""
+    """One torchrun launch of ``world`` processes running ``engines`` x every optimizer; its cells, a cell the
+    launch left out carrying the launch's failure."""
     started = time.perf_counter()
-    job = ["--engines", ",".join(engines), "--optimizers", a.optimizers, *_common.forwarded(a, a.sizes)]
-    cells, failure = _common.torchrun(__file__, world, job, a.threads, a.timeout)
+    job = ["--engines", ",".join(engines), *_common.forwarded(a, a.sizes)]
+    cells, failure = _common.torchrun(__file__, world, job, a.threads, LAUNCH_TIMEOUT_S)
     cells, seconds = cells or [], time.perf_counter() - started
     got = {(c["engine"], c["optimizer"]) for c in cells}
-    for engine in engines:
-        for kind in a.optimizers.split(","):
-            if (engine, kind) not in got:
-                err = {"error": failure or "no result"}
-                cells.append({"engine": engine, "optimizer": kind, "world": world, "ranks": [err]})
+    cells += [{"engine": engine, "optimizer": kind, "world": world, "ranks": [{"error": failure or "no result"}]}
+              for engine in engines for kind in OPTIMIZERS if (engine, kind) not in got]  # fmt: skip
     for c in cells:
         c["launch_s"] = seconds
     print(f"world {world}, {','.join(engines)}: {seconds:.0f} s {failure or ''}", flush=True)
     return cells
 
 
-def _summary(cells: list[dict]) -> list[dict]:
-    """One row per (engine, world): per optimizer, the largest per-rank figures over the ranks (or the error),
-    and the largest per-rank ratio of 8-bit over param-dtype state bytes."""
-    rows: dict[tuple[str, int], dict] = {}
-    for c in cells:
-        key = (c["engine"], c["world"])
-        row = rows.setdefault(key, {"engine": c["engine"], "world": c["world"], "cells": {}, "ranks": {}})
-        ranks = row["ranks"][c["optimizer"]] = c["ranks"]
-        errors = [r["error"] for r in ranks if "error" in r]
-        row["cells"][c["optimizer"]] = {"error": errors[0]} if errors else {
-            "bytes_per_param": max(r["bytes_per_param"] for r in ranks),
-            "bytes_per_param_min": min(r["bytes_per_param"] for r in ranks),
+def _over_ranks(ranks: list[dict]) -> dict:
+    """One optimizer's figures over the ranks: the largest (bytes per parameter: the smallest too), or an error."""
+    if errors := [r["error"] for r in ranks if "error" in r]:
+        return {"error": errors[0]}
+    per_param = [r["bytes_per_param"] for r in ranks]
+    return {"bytes_per_param": max(per_param), "bytes_per_param_min": min(per_param),
             "bytes_per_world_share": max(r["bytes_per_world_share"] for r in ranks),
-            **{k: ranks[0][k] for k in ("total_params", "dtypes")},
-        }  # fmt: skip
-    out = []
-    for key in sorted(rows, key=lambda k: (ENGINES.index(k[0]), k[1])):
-        row = rows[key]
-        got, ranks = row["cells"], row.pop("ranks")
-        ref = got.get("torch", {}).get("bytes_per_param")
-        for cell in got.values():
-            if "error" not in cell and ref:
-                cell["vs_torch"] = cell["bytes_per_param"] / ref
-        low, eight = ranks.get("param", []), ranks.get("8bit", [])
+            **{k: ranks[0][k] for k in ("total_params", "dtypes")}}  # fmt: skip
+
+
+def _summary(cells: list[dict]) -> list[dict]:
+    """One row per (engine, world): per optimizer its figures over the ranks and their ratio to torch's AdamW,
+    and the largest per-rank ratio of 8-bit over param-dtype state bytes."""
+    ranks: dict[tuple[str, int], dict] = {}
+    for c in sorted(cells, key=lambda c: (ENGINES.index(c["engine"]), c["world"])):
+        ranks.setdefault((c["engine"], c["world"]), {})[c["optimizer"]] = c["ranks"]
+    rows = []
+    for (engine, world), by_kind in ranks.items():
+        got = {kind: _over_ranks(r) for kind, r in by_kind.items()}
+        row = {"engine": engine, "world": world, "cells": got}
+        if ref := got.get("torch", {}).get("bytes_per_param"):
+            for cell in got.values():
+                if "error" not in cell:
+                    cell["vs_torch"] = cell["bytes_per_param"] / ref
+        low, eight = by_kind.get("param", []), by_kind.get("8bit", [])
         if low and eight and not any("error" in r for r in low + eight):
             row["8bit_over_param"] = max(e["bytes"] / p["bytes"] for p, e in zip(low, eight, strict=True))
             row["param_state_dtype"] = [d for d in got["param"]["dtypes"] if d != "float32"] or ["float32"]
-        out.append(row)
-    return out
+        rows.append(row)
+    return rows
 
 
 def _markdown(result: dict) -> list[str]:
     a, rows = argparse.Namespace(**result["args"]), result["summary"]
-    kinds = a.optimizers.split(",")
     total = next((c["total_params"] for r in rows for c in r["cells"].values() if "total_params" in c), 0)
 
     def cell_text(row: dict, kind: str, field: str) -> str:
@@ -248,21 +241,16 @@ def _markdown(result: dict) -> list[str]:
         if "8bit_over_param" not in row:
             return "n/a"
         dtypes = "/".join(row["param_state_dtype"])
-        return f"{row['8bit_over_param']:.3f}x" + (
-            "" if dtypes == "bfloat16" else f" (over {dtypes} moments)"
-        )
+        over = "" if dtypes == "bfloat16" else f" (over {dtypes} moments)"
+        return f"{row['8bit_over_param']:.3f}x{over}"
 
     def table(field: str, ratio: bool) -> list[str]:
-        heads = ["engine", "processes", *(OPTIMIZER_NAMES[k] for k in kinds)]
+        heads = ["engine", "processes", *OPTIMIZER_NAMES.values()]
         heads += ["8-bit / param-dtype states, per rank"] * ratio
         lines = ["| " + " | ".join(heads) + " |", "| --- |" + " ---: |" * (len(heads) - 1)]
         for row in rows:
-            cells = [
-                ENGINE_NAMES[row["engine"]],
-                str(row["world"]),
-                *(cell_text(row, k, field) for k in kinds),
-            ]
-            lines.append("| " + " | ".join(cells + [ratio_text(row)] * ratio) + " |")
+            texts = [cell_text(row, k, field) for k in OPTIMIZERS] + [ratio_text(row)] * ratio
+            lines.append(f"| {ENGINE_NAMES[row['engine']]} | {row['world']} | " + " | ".join(texts) + " |")
         return lines
 
     checks = [f"- {ENGINE_NAMES[row['engine']]}, {row['world']} processes: "
@@ -303,17 +291,12 @@ def _markdown(result: dict) -> list[str]:
     ]  # fmt: skip
 
 
-TITLE = "Optimizer-state memory per rank: engines x state_dtype (CPU processes, gloo)"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--worlds", default="2,4")
-    p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     sizes = dict(steps=1, batch=1, seq_len=64, hidden=256, layers=4, vocab=32000, threads=1)
     p.set_defaults(sizes=_common.int_options(p, **sizes))
-    p.add_argument("--timeout", type=int, default=600, help="seconds a launch may take")
     p.add_argument("--out", type=Path, default=_common.RESULTS)
     _common.worker_options(p)
     a = p.parse_args()
@@ -321,8 +304,8 @@ def main() -> None:
         worker(a)
         return
     engines = a.engines.split(",")
-    if unknown := set(engines) - set(ENGINES) or set(a.optimizers.split(",")) - set(OPTIMIZERS):
-        p.error(f"unknown {sorted(unknown)}; engines: {ENGINES}; optimizers: {OPTIMIZERS}")
+    if unknown := set(engines) - set(ENGINES):
+        p.error(f"unknown engines {sorted(unknown)}; choose from {','.join(ENGINES)}")
     result = _common.new_result("optimizer_memory_cpu", "deepspeed")
     result.update(args={**vars(a), "out": str(a.out)})
     started = time.perf_counter()
@@ -333,7 +316,8 @@ def main() -> None:
             if family := [e for e in here if e.startswith("zero") == deepspeed]:
                 cells += launch(family, world, a)
     result.update(wall_s=time.perf_counter() - started, summary=_summary(cells), cells=cells)
-    _common.write(a.out, "optimizer_memory_cpu", result, TITLE, _markdown(result))
+    title = "Optimizer-state memory per rank: engines x state_dtype (CPU processes, gloo)"
+    _common.write(a.out, "optimizer_memory_cpu", result, title, _markdown(result))
 
 
 if __name__ == "__main__":
