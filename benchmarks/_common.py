@@ -1,8 +1,8 @@
-"""What the scripts under benchmarks/ share: writing a result (JSON + Markdown, both opening with
-``fasttrain.bench.provenance``'s record), calling contenders in turn, a tiny Qwen3, a torchrun launch on CPU, the
-standard library's sources as text, a word-level stand-in tokenizer and an optimizer's state bytes.
+"""What the scripts under benchmarks/ share, imported as ``import _common`` (Python puts a script's folder first
+on ``sys.path``): writing a result (JSON + Markdown, both opening with ``fasttrain.bench.provenance``'s record),
+timing contenders in turn (collators among them), a tiny Qwen3 and an LM head's inputs, a torchrun launch on CPU,
+the standard library's sources as text, stand-in tokenizers and an optimizer's state bytes.
 
-The scripts' own module, imported as ``import _common`` (Python puts a script's folder first on ``sys.path``).
 Of ``fasttrain.bench`` it uses only ``provenance`` (one record for every result file); the rest of that package
 is the ``fasttrain bench`` command's and free to change (tests/test_bench_scripts.py keeps it so).
 """
@@ -79,6 +79,23 @@ def median_s(times: list[tuple[float, float]], cpu: bool = False) -> float:
     return statistics.median(t[cpu] for t in times)
 
 
+def time_collators(collators: dict, batches: list, calls: int, copy_rows: bool = False) -> dict:
+    """Each collator's median (wall, CPU) seconds per call: one warm-up call each (first calls pay for imports and
+    allocations), then ``calls`` calls in turn (``alternate``) cycling through ``batches``. ``copy_rows``: each call
+    gets fresh shallow copies of its rows, made outside the timed call (LLaMA-Factory's collator pops keys)."""
+
+    def rows(i: int) -> list[dict]:
+        batch = batches[i % len(batches)]
+        return [dict(row) for row in batch] if copy_rows else batch
+
+    for collate in collators.values():
+        collate(rows(0))
+    inputs = {name: [rows(i) for i in range(calls)] for name in collators}
+    contenders = {name: (lambda i, f=f, b=inputs[name]: f(b[i])) for name, f in collators.items()}
+    times = alternate(calls, contenders)
+    return {name: (median_s(t), median_s(t, cpu=True)) for name, t in times.items()}
+
+
 def batch_difference(a, b) -> str | None:
     """None when two collators' batches are the same (type, keys in order, dtypes, shapes, values), else how not."""
     import torch
@@ -124,6 +141,17 @@ def tiny_qwen3(vocab: int, hidden: int, layers: int, seed: int = 0, **config: An
                                      **{**shape, **config})  # fmt: skip
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(qwen3, attn_implementation=attn)
+
+
+def lm_head_inputs(tokens: int, width: int, vocab: int, device: str = "cpu", dtype: str = "float32"):
+    """Hidden states (tokens x width) and an LM head's weight (vocab x width, scaled by 0.02), both random and
+    requiring a gradient, and random labels; from torch's global generator (seed it first)."""
+    import torch
+
+    dtype = getattr(torch, dtype)
+    hidden = torch.randn(tokens, width, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.randn(vocab, width, device=device, dtype=dtype).mul_(0.02).requires_grad_()
+    return hidden, weight, torch.randint(0, vocab, (tokens,), device=device)
 
 
 def worker_options(parser, *names: str) -> None:

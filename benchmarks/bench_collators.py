@@ -3,11 +3,8 @@
 For each case both collators get the same batches (64 examples of random length 16-2048 by default), called
 alternately; medians over all calls; both outputs checked identical first. Inputs: "list" (Python lists),
 "numpy" (int64 arrays), "arrow" (rows of a `datasets.Dataset` in numpy format) and "torch" (int64 tensors).
-TRL's collators (when trl is installed), on Python lists as its trainers hand them over: SFT's
-``DataCollatorForLanguageModeling`` padded, padding-free, and padding-free on packed rows (``seq_lengths``,
-documents of 16-2048 tokens packed into rows of up to 8192); DPO's ``DataCollatorForPreference`` (prompts of
-16-512 tokens, answers of 16-1024, ``max_length=1024``); KTO's ``DataCollatorForUnpairedPreference`` (prompts of
-16-512, completions of 16-1024, KL completions rotated by one within the batch as KTOTrainer builds them).
+TRL's collators (when trl is installed) on Python lists, as its trainers hand them over: SFT's padded,
+padding-free and padding-free on packed rows, DPO's and KTO's (``max_length=1024``), on rows ``make_rows`` builds.
 
 Usage:
     python benchmarks/bench_collators.py            # writes benchmarks/results/collators.{json,md}
@@ -34,13 +31,15 @@ VOCAB = 32_000
 
 def make_rows(batch: int, min_len: int, max_len: int, rng: np.random.Generator, data: str) -> list[dict]:
     """One batch of numpy rows: "plain" (input_ids, attention_mask), "labels" (+ labels of another length),
-    "sft" (input_ids, labels with the prompt masked), "packed" (documents packed into rows, seq_lengths),
-    "preference" (prompt_ids, chosen_ids, rejected_ids), "unpaired" (KTO's prompt_ids, completion_ids,
-    KL_completion_ids: the completions rotated by one, label)."""
+    "sft" (input_ids, labels with the prompt masked), "packed" (documents packed into rows of about 4 x max_len,
+    seq_lengths), "preference" (prompt_ids, chosen_ids, rejected_ids), "unpaired" (KTO's prompt_ids,
+    completion_ids, KL_completion_ids: the completions rotated by one, label). Prompts are at most max_len / 4
+    tokens long, answers and completions max_len / 2."""
 
     def ids(longest: int) -> np.ndarray:  # random tokens, a random length in [min_len, longest]
         return rng.integers(1, VOCAB, int(rng.integers(min_len, longest + 1)))
 
+    quarter, half = max_len // 4, max_len // 2  # prompts', answers' longest
     rows = []
     for _ in range(batch):
         if data == "sft":
@@ -53,14 +52,9 @@ def make_rows(batch: int, min_len: int, max_len: int, rng: np.random.Generator, 
                 docs.append(int(rng.integers(min_len, max_len + 1)))
             row = {"input_ids": rng.integers(1, VOCAB, sum(docs)), "seq_lengths": np.asarray(docs)}
         elif data == "preference":
-            row = {
-                "prompt_ids": ids(max_len // 4),
-                "chosen_ids": ids(max_len // 2),
-                "rejected_ids": ids(max_len // 2),
-            }
+            row = dict(prompt_ids=ids(quarter), chosen_ids=ids(half), rejected_ids=ids(half))
         elif data == "unpaired":
-            row = {"prompt_ids": ids(max_len // 4), "completion_ids": ids(max_len // 2),
-                   "label": np.bool_(rng.integers(0, 2))}  # fmt: skip
+            row = dict(prompt_ids=ids(quarter), completion_ids=ids(half), label=np.bool_(rng.integers(0, 2)))
         else:
             row = {"input_ids": ids(max_len)}
             row["attention_mask"] = np.ones(len(row["input_ids"]), dtype=np.int64)
@@ -111,11 +105,8 @@ def trl_cases(max_len: int) -> list[tuple[str, str, object, object, str]]:
         return []
     from fasttrain.data import trl_collators as ours
 
-    lm, free, short = (
-        "DataCollatorForLanguageModeling",
-        dict(padding_free=True),
-        dict(max_length=max_len // 2),
-    )
+    lm = "DataCollatorForLanguageModeling"
+    free, short = dict(padding_free=True), dict(max_length=max_len // 2)
     table = [  # (name, TRL's module, class, keyword arguments beside the pad id, data)
         (f"TRL SFT {lm}", sft_trainer, lm, {}, "sft"),
         (f"TRL SFT {lm}(padding_free)", sft_trainer, lm, free, "sft"),
@@ -152,13 +143,8 @@ def main() -> None:
         batches = [convert(rows, kind) for rows in raw[data]]
         if differ := _common.batch_difference(ours(batches[0]), ref(batches[0])):
             raise SystemExit(f"{name} on {kind} input: outputs differ from the reference: {differ}")
-        ours(batches[0])  # warm-up
-        ref(batches[0])
-        times = _common.alternate(
-            args.calls,
-            {side: (lambda i, f=f, b=batches: f(b[i % len(b)])) for side, f in (("r", ref), ("o", ours))},
-        )
-        r_med, o_med, r_cpu, o_cpu = (_common.median_s(times[side], cpu) for cpu in (0, 1) for side in "ro")
+        times = _common.time_collators({"reference": ref, "fasttrain": ours}, batches, args.calls)
+        (r_med, r_cpu), (o_med, o_cpu) = times["reference"], times["fasttrain"]
         tokens = statistics.mean(
             sum(sum(len(v) for k, v in r.items() if k.endswith("ids")) for r in rows) for rows in raw[data]
         )

@@ -73,15 +73,8 @@ def measure(args, rng: np.random.Generator) -> list[dict]:
         batches = [rows(batch_size, rng, args.max_len, len(tok)) for _ in range(args.batches)]
         first = [dict(r) for r in batches[0]]  # a copy: LLaMA-Factory's collator pops the media keys
         assert _common.batch_difference(sft(first), contenders["fasttrain"](batches[0])) is None
-        for fn in contenders.values():  # warm-up: first calls pay for imports and allocations
-            fn([dict(r) for r in batches[0]])
-        # fresh shallow copies, made outside the timed call: LLaMA-Factory's collator pops the media keys
-        copies = [[[dict(r) for r in b] for _ in range(args.calls * len(contenders))] for b in batches]
-        times = _common.alternate(
-            args.calls,
-            {name: (lambda i, f=fn, c=copies: f(c[i % len(c)].pop())) for name, fn in contenders.items()},
-        )
-        median = {name: _common.median_s(t) for name, t in times.items()}
+        times = _common.time_collators(contenders, batches, args.calls, copy_rows=True)
+        median = {name: wall for name, (wall, _) in times.items()}
         row = {"batch": batch_size, **{f"{n}_examples_per_s": batch_size / m for n, m in median.items()}}
         row["speedup_vs_llamafactory"] = median["llamafactory"] / median["fasttrain"]
         results.append(row)

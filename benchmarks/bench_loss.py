@@ -62,18 +62,8 @@ TRL_OUTPUTS = {
     "trl_sft": ("log_probs", "entropy", "is_top1"),
     "trl_dpo": ("log_probs", "entropy", "mean_logits", "is_top1"),
 }
-DEFAULTS = {"cpu": {"hidden": 512, "tokens": "4096"}, "cuda": {"hidden": 4096, "tokens": "8192,16384"}}
 # the fused kernels' backend: auto (torch on CPU, Triton on CUDA), or Triton's interpreter where it is asked for
 BACKEND = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "auto"
-
-
-def _inputs(tokens: int, width: int, vocab: int, device: str, dtype: str):
-    import torch
-
-    dtype = getattr(torch, dtype)
-    hidden = torch.randn(tokens, width, device=device, dtype=dtype, requires_grad=True)
-    weight = torch.randn(vocab, width, device=device, dtype=dtype).mul_(0.02).requires_grad_()
-    return hidden, weight, torch.randint(0, vocab, (tokens,), device=device)
 
 
 def _reference(hidden, weight, labels):  # what ForCausalLMLoss runs after its shift
@@ -108,7 +98,7 @@ def _loss_fn(impl: str):
 
 
 def _loss_step(impl: str, tokens: int, width: int, vocab: int, device: str, dtype: str):
-    hidden, weight, labels = _inputs(tokens, width, vocab, device, dtype)
+    hidden, weight, labels = _common.lm_head_inputs(tokens, width, vocab, device, dtype)
     labels[::5] = -100
     fn = _loss_fn(impl)
 
@@ -126,7 +116,7 @@ def _head_step(impl: str, tokens: int, width: int, vocab: int = VOCAB, device="c
 
     if impl != "gemms":
         return _loss_step(impl, tokens, width, vocab, device, dtype)
-    hidden, weight, _ = _inputs(tokens, width, vocab, device, dtype)
+    hidden, weight, _ = _common.lm_head_inputs(tokens, width, vocab, device, dtype)
     upstream = torch.randn(tokens, vocab, device=device, dtype=hidden.dtype).mul_(1e-6)
 
     def step() -> float:
@@ -169,7 +159,8 @@ def _trl_step(case: str, impl: str, tokens: int, width: int, vocab: int, device:
     if impl == "liger":  # the loss alone: Liger has no per-token log-prob head
         return _loss_step(impl, tokens, width, vocab, device, dtype)
     outputs = TRL_OUTPUTS[case]
-    hidden, weight, labels = _inputs(tokens, width, vocab, device, dtype)  # the scored tokens only
+    # the scored tokens only
+    hidden, weight, labels = _common.lm_head_inputs(tokens, width, vocab, device, dtype)
     ref_logps = torch.randn(8, device=device) * 10 - 100 * tokens / 8
     if impl == "trl":
         from trl.kernels import ChunkedLogProbFunction
@@ -203,7 +194,8 @@ def _trl_step(case: str, impl: str, tokens: int, width: int, vocab: int, device:
 
 
 def measure(case: str, impl: str, tokens: int, args) -> dict:
-    """One run: build the case, one warm-up step, ``args.steps`` timed steps; time, peak memory and loss."""
+    """One run: build the case, one warm-up step, ``args.steps`` timed steps; time, peak memory and loss, or why
+    it was skipped (an implementation that does not import)."""
     import torch
 
     cuda = args.device == "cuda"
@@ -218,26 +210,21 @@ def measure(case: str, impl: str, tokens: int, args) -> dict:
     width = HEAD_WIDTH if case == "head" else args.hidden
     shape = (tokens, width, args.vocab, args.device, args.dtype)
     builders = {"loss": _loss_step, "head": _head_step, "model": _model_step}
-    step = _trl_step(case, impl, *shape) if case.startswith("trl_") else builders[case](impl, *shape)
+    try:
+        step = _trl_step(case, impl, *shape) if case.startswith("trl_") else builders[case](impl, *shape)
+    except ImportError as exc:
+        return {"skipped": str(exc)}
     loss = step()
     times = [provenance.timed(step, args.device) for _ in range(args.steps)]
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # fmt: skip
     return {"time_s": statistics.median(times), "peak_bytes": peak - base, "loss": loss}
 
 
-def measure_or_skip(case: str, impl: str, tokens: int, args) -> dict:
-    """``measure``, or why not: an implementation that does not import is skipped."""
-    try:
-        return measure(case, impl, tokens, args)
-    except ImportError as exc:
-        return {"skipped": str(exc)}
-
-
 def run(case: str, impl: str, tokens: int, args) -> dict:
     """One run, in a fresh process on CPU; on CUDA in this one."""
     if args.device == "cuda":
-        return measure_or_skip(case, impl, tokens, args)
-    settings = [f"--{k}={getattr(args, k)}" for k in ("steps", "hidden", "vocab", "dtype", "device")]
+        return measure(case, impl, tokens, args)
+    settings = [f"--{k}={getattr(args, k)}" for k in ("steps", "hidden", "vocab", "device")]
     cmd = [sys.executable, __file__, "--child", case, impl, f"--tokens={tokens}", *settings]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -264,16 +251,16 @@ def main() -> None:
     parser.add_argument("--tokens", help="comma list (default: 4096 on CPU, 8192,16384 on CUDA)")
     parser.add_argument("--hidden", type=int, help="hidden size of the loss and TRL cases (512 CPU, 4096 CUDA)")  # fmt: skip
     parser.add_argument("--vocab", type=int, default=VOCAB)
-    parser.add_argument("--dtype", help="float32 on CPU, bfloat16 on CUDA by default")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="no new run starts after this")
     parser.add_argument("--out", type=Path, default=_common.RESULTS)
     parser.add_argument("--name", help="results file stem (default: loss_DEVICE)")
     args = parser.parse_args()
-    args.tokens = [int(t) for t in (args.tokens or DEFAULTS[args.device]["tokens"]).split(",")]
-    args.hidden = args.hidden or DEFAULTS[args.device]["hidden"]
-    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    cuda = args.device == "cuda"
+    args.tokens = [int(t) for t in (args.tokens or ("8192,16384" if cuda else "4096")).split(",")]
+    args.hidden = args.hidden or (4096 if cuda else 512)
+    args.dtype = "bfloat16" if cuda else "float32"
     if args.child:
-        return print(json.dumps(measure_or_skip(*args.child, args.tokens[0], args)))
+        return print(json.dumps(measure(*args.child, args.tokens[0], args)))
     deadline = time.monotonic() + args.budget_s
     result = _common.new_result(f"loss_{args.device}", "liger-kernel", "cut-cross-entropy")
     result["limits"] = limits = roofline.measure_limits(args.device)
@@ -282,7 +269,7 @@ def main() -> None:
     result["results"] = []
     stem, title = args.name or f"loss_{args.device}", f"Fused LM-head losses, {args.device}"
     for case in args.cases.split(","):
-        impls = [i for i in IMPLS[case] if args.device == "cuda" or i not in CUDA_ONLY]
+        impls = [i for i in IMPLS[case] if cuda or i not in CUDA_ONLY]
         for tokens in args.tokens:
             runs: dict[str, list[dict]] = {impl: [] for impl in impls}
             for r in range(args.rounds):
@@ -294,9 +281,8 @@ def main() -> None:
             cost = _cost(case, tokens, width, args.vocab, 2 if args.dtype == "bfloat16" else 4)
             impls_done = _summary(runs, limits, cost, case)
             result["results"].append({"case": case, "tokens": tokens, "impls": impls_done})
-            _common.write(
-                args.out, stem, result, title, _markdown(result)
-            )  # a run cut short keeps what it did
+            # written after each case and size: a run cut short (--budget-s, a timeout) keeps what it did
+            _common.write(args.out, stem, result, title, _markdown(result))
 
 
 def _summary(runs: dict[str, list[dict]], limits: dict, cost: dict, case: str) -> dict:

@@ -15,6 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
+import datasets
 import numpy as np
 import transformers
 
@@ -23,8 +24,6 @@ import fasttrain
 
 
 def _dataset(n: int, vocab: int, median: int, longest: int, seed: int = 0):
-    import datasets
-
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(np.log(median), 0.8, n).astype(int), 16, longest)
     rows = [rng.integers(3, vocab, k).tolist() for k in lengths]
