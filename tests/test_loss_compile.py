@@ -11,6 +11,10 @@ from fasttrain.loss.compiled import loss_and_grads
 from fasttrain.loss.model_patch import enable_fused_loss
 
 pytestmark = pytest.mark.gpu_versions
+# The op's own checks and values also run at the dependency floors (torch 2.6 read the op's annotations more
+# narrowly: `list[bool]` failed there at import). The whole-model graph test stays at the GPU's versions: at torch
+# 2.6 the patched forward traces in three graphs, not one (docs/support.md).
+AT_THE_FLOORS = pytest.mark.dropin
 
 OPTIONS = dict(
     ignore_index=-100,
@@ -33,6 +37,7 @@ def _operands(bias: bool, dtype=torch.float32, seed: int = 0):
     return hidden, weight, b, labels
 
 
+@AT_THE_FLOORS
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_custom_op_passes_torch_s_operator_checks(reduction, bias):
@@ -44,6 +49,7 @@ def test_the_custom_op_passes_torch_s_operator_checks(reduction, bias):
     torch.library.opcheck(loss_and_grads, (*args, *kwargs.values()))
 
 
+@AT_THE_FLOORS
 @pytest.mark.parametrize(
     "case", ["mean", "sum", "num_items", "softcap+smoothing+z_loss", "every label ignored"]
 )

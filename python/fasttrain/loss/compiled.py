@@ -12,8 +12,8 @@ Inductor compiles everything around it. ``"none"`` (a per-token upstream gradien
 """
 
 # No ``from __future__ import annotations``: ``torch.library.custom_op`` reads the schema from the annotations, and
-# typing's Optional is what every torch since 2.4 understands there.
-from typing import Optional
+# typing's Optional, List and Tuple are what every torch since 2.4 understands there (torch 2.6 rejects list[bool]).
+from typing import List, Optional, Tuple  # noqa: UP035
 
 import torch
 
@@ -31,7 +31,7 @@ def loss_and_grads(
     bias: Optional[torch.Tensor],  # noqa: UP045
     labels: torch.Tensor,
     num_items_in_batch: Optional[torch.Tensor],  # noqa: UP045
-    needs: list[bool],
+    needs: List[bool],  # noqa: UP006
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
@@ -39,7 +39,7 @@ def loss_and_grads(
     reduction: str,
     backend: str,
     chunk_rows: Optional[int],  # noqa: UP045
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: UP006
     """(loss, d loss / d hidden, d loss / d weight, d loss / d bias); a gradient not asked for (``needs``) is an
     empty tensor."""
     from .function import scalar_loss_and_grads
