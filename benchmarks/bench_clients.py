@@ -43,10 +43,8 @@ RUN_TIMEOUT_S = 1800
 # bench command's internals. Log-normal lengths like instruction data; the BPE's vocabulary and corpus size.
 LOGNORMAL_MEDIAN, LOGNORMAL_SIGMA, MIN_TOKENS = 180, 0.8, 16
 TOKENIZER_VOCAB, TOKENIZER_TRAIN_BYTES, QWEN3_VOCAB = 8192, 4_000_000, 151_936
-SHAPES = {  # hidden, layers, attention heads, KV heads, head dim, MLP
-    "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072),
-    "tiny": (32, 1, 2, 1, 16, 64),
-}
+# hidden, layers, attention heads, KV heads, head dim, MLP
+SHAPES = {"qwen3-0.6b": (1024, 28, 16, 8, 128, 3072), "tiny": (32, 1, 2, 1, 16, 64)}
 # Qwen3's pad token and ChatML markers (LLaMA-Factory's qwen3 template writes them; <|im_end|> is the EOS, as in
 # Qwen3's tokenizer), and the empty thought that template puts before each answer (added tokens, not special).
 PAD, IM_START, IM_END, THINK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", ("<think>", "</think>")
@@ -56,62 +54,53 @@ CHAT_TEMPLATE = (
 )
 PROMPT_SHARE = 0.2  # of a row's own tokens, in the instruction; the rest is the output
 # Axolotl's console rounds the logged values and Axolotl writes no trainer_state.json without a checkpoint (which
-# would be saved inside the timed training): this plugin, loaded on both sides, writes the log history instead.
-LOG_HISTORY_PLUGIN = """\
-import json, os
+# would be saved inside the timed training): this plugin, loaded on both sides, writes it after training, so that
+# both frameworks leave the Trainer's log history in the same file.
+STATE_PLUGIN = """\
+import os
 from axolotl.integrations.base import BasePlugin
-from transformers import TrainerCallback
 
 
-class _Dump(TrainerCallback):
-    def on_train_end(self, args, state, control, **kwargs):
-        with open(os.path.join(args.output_dir, "log_history.json"), "w") as handle:
-            json.dump(state.log_history, handle)
+class SaveState(BasePlugin):
+    def post_trainer_create(self, cfg, trainer):
+        self.trainer = trainer
 
-
-class LogHistory(BasePlugin):
-    def add_callbacks_post_trainer(self, cfg, trainer):
-        return [_Dump()]
+    def post_train(self, cfg, model):
+        self.trainer.state.save_to_json(os.path.join(cfg.output_dir, "trainer_state.json"))
 """
 # LLaMA-Factory's names for the training settings both frameworks get under Axolotl's names
-RENAMED = {
-    "micro_batch_size": "per_device_train_batch_size",
-    "optimizer": "optim",
-    "lr_scheduler": "lr_scheduler_type",
-}
-CLIENTS = {  # the console script, how fasttrain goes in, what the framework wraps around a row, where the log is
+RENAMED = {"micro_batch_size": "per_device_train_batch_size", "optimizer": "optim",
+           "lr_scheduler": "lr_scheduler_type"}  # fmt: skip
+CLIENTS = {  # the console script, how fasttrain goes in, what it wraps around a row, its collator, how it
+    # tokenizes the rows once (the verb, YAML settings): every run then loads those tokens
     "axolotl": dict(
-        title="Axolotl's own CLI (`axolotl train`)", cli="axolotl", history="log_history.json",
+        title="Axolotl's own CLI (`axolotl train`)", cli="axolotl",
         how="`fasttrain: true` in the YAML (fasttrain's Axolotl plugin)",
         template="Below is an instruction that describes a task. Write a response that appropriately completes "
         "the request.\n\n### Instruction:\n\n\n### Response:\n" + IM_END,  # type alpaca, no input, the EOS
-        padding="Axolotl's collator pads each batch to a multiple of 64",
+        padding="Axolotl's collator pads each batch to a multiple of 64", prepare=("preprocess", {}),
     ),
     "llamafactory": dict(
         title="LLaMA-Factory's own CLI (`llamafactory-cli train`)", cli="llamafactory-cli",
-        history="trainer_state.json", how="`FASTTRAIN_PATCH=1` in the environment",
+        how="`FASTTRAIN_PATCH=1` in the environment",
         template=f"{IM_START}user\n{IM_END}\n{IM_START}assistant\n<think>\n\n</think>\n\n{IM_END}\n",
         padding="LLaMA-Factory's collator pads each batch to a multiple of 8",
+        # no preprocess command: `train` tokenizes first (saving at tokenized_path), then, with do_train false,
+        # only loads the model
+        prepare=("train", {"do_train": False}),
     ),
 }  # fmt: skip
 
 
-def python(client: str) -> Path:
-    """The client environment's interpreter; FASTTRAIN_<CLIENT>_PYTHON overrides it, as in the client tests."""
-    variable = f"FASTTRAIN_{client.upper()}_PYTHON"
-    return Path(os.environ.get(variable) or _common.ROOT / ".ci-envs" / client / "bin" / "python")
+def env_bin(client: str) -> Path:
+    """The client environment's bin folder (`bash .ci/env-<client>` builds it): its python and its CLIs."""
+    return _common.ROOT / ".ci-envs" / client / "bin"
 
 
-# ------------------------------------------------------------------------------------------ data and configs
-
-
-def alpaca_rows(tokenizer_json: Path, client: str, lengths: list[int]) -> list[dict]:
+def alpaca_rows(tok, client: str, lengths: list[int]) -> list[dict]:
     """One alpaca row (instruction, output) per drawn length: the corpus read as one token stream, each row the
     next ``length - template`` tokens, decoded, its first fifth the instruction. Decoding and re-tokenizing moves
     a row's length by a token or two at the cut."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tokenizer_json))
     overhead = len(tok.encode(CLIENTS[client]["template"]).ids)
     wanted = [max(length - overhead, 2) for length in lengths]
     stream: list[int] = []
@@ -126,17 +115,19 @@ def alpaca_rows(tokenizer_json: Path, client: str, lengths: list[int]) -> list[d
     return rows
 
 
-def config(client: str, work: Path, a, **extra) -> dict:
-    """The framework's YAML (as JSON, which is YAML) for the run's model and rows, in prepared order."""
+def config(client: str, work: Path, a, run_dir: Path, **extra) -> dict:
+    """The framework's YAML (as JSON, which is YAML) for the run's model and rows, in prepared order; its output in
+    run_dir/out."""
     shared = {"micro_batch_size": a.batch_size, "max_steps": a.steps, "seed": a.seed, "learning_rate": 1e-3,
               "optimizer": "adamw_torch_fused", "lr_scheduler": "linear", "gradient_accumulation_steps": 1,
-              "warmup_steps": 0, "max_grad_norm": 1.0, "logging_steps": 1, "bf16": False, "save_strategy": "no"}  # fmt: skip
+              "warmup_steps": 0, "max_grad_norm": 1.0, "logging_steps": 1, "bf16": False, "save_strategy": "no",
+              "output_dir": str(run_dir / "out")}  # fmt: skip
     if client == "axolotl":
         return {**shared, "base_model": str(work / "model"), "dataset_prepared_path": str(work / "prepared"),
                 "datasets": [{"path": str(work / "rows.jsonl"), "ds_type": "json", "type": "alpaca"}],
                 "shuffle_merged_datasets": False, "curriculum_sampling": True,  # step k trains rows 2k, 2k+1
                 "sequence_len": 1024, "sample_packing": False, "val_set_size": 0, "num_epochs": 1, "fp16": False,
-                "tf32": False, "plugins": ["_bench_log_history.LogHistory"], **extra}  # fmt: skip
+                "tf32": False, "plugins": ["_bench_state.SaveState"], **extra}  # fmt: skip
     (work / "data").mkdir(exist_ok=True)
     columns = {"prompt": "instruction", "query": "input", "response": "output"}
     info = {"bench_sft": {"file_name": str(work / "rows.jsonl"), "columns": columns}}
@@ -155,26 +146,23 @@ def environment(client: str, run_dir: Path, side: str) -> dict[str, str]:
     launch`), and fasttrain switched on only where ``side`` says so."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("FASTTRAIN_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}  # fmt: skip
-    env.update(PATH=f"{python(client).parent}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1",
+    env.update(PATH=f"{env_bin(client)}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", HF_HOME=str(run_dir / "hf"), PYTHONUNBUFFERED="1",
                TOKENIZERS_PARALLELISM="false", AXOLOTL_DO_NOT_TRACK="1", WANDB_MODE="disabled",
                CUDA_VISIBLE_DEVICES="")  # LLaMA-Factory launches torchrun when it sees more than one device  # fmt: skip
     if client == "axolotl":
-        (run_dir / "site").mkdir(parents=True, exist_ok=True)
-        (run_dir / "site" / "_bench_log_history.py").write_text(LOG_HISTORY_PLUGIN)
+        (run_dir / "site").mkdir()
+        (run_dir / "site" / "_bench_state.py").write_text(STATE_PLUGIN)
         env["PYTHONPATH"] = str(run_dir / "site")
     elif side == "fasttrain":
         env["FASTTRAIN_PATCH"] = "1"
     return env
 
 
-# ------------------------------------------------------------------------------------------------ running
-
-
 def in_client(client: str, *args: str) -> str:
     """``python benchmarks/_clients.py ARGS`` in the client's environment; its stdout."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    command = [str(python(client)), str(Path(__file__).with_name("_clients.py")), *args]
+    command = [str(env_bin(client) / "python"), str(Path(__file__).with_name("_clients.py")), *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"_clients.py {args[0]} exited {done.returncode}:\n{done.stderr[-4000:]}")
@@ -196,33 +184,31 @@ def largest_hwm_kib(root: int) -> int:
     return hwm
 
 
-def launch(command: list[str], cwd: Path, env: dict[str, str], steps: int) -> dict:
-    """Runs ``command`` in its own session; stamps every output line (written to cwd/output.log) and, at each
-    step's line, the tree's memory; the stamps, the status lines and ``wait4``'s peak RSS."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    marks, statuses = [], []
-
-    def read() -> None:
-        with open(cwd / "output.log", "w") as log:
-            for line in proc.stdout:  # text mode: tqdm's carriage returns end lines too
-                now = time.perf_counter() - start
-                log.write(f"{now:10.3f}  {line}")
-                if STEP_LINE.match(line) and len(marks) < steps:
-                    marks.append((now, largest_hwm_kib(proc.pid)))
-                if found := STATUS.search(ANSI.sub("", line)):
-                    statuses.append(found.group(1).strip())
-
-    reader = threading.Thread(target=read)
-    reader.start()
+def launch(client: str, run_dir: Path, cfg: dict, verb: str, side: str, steps: int) -> dict:
+    """The framework's CLI ``verb`` on ``cfg`` (run_dir/cfg.yaml, run_dir new), in its own session; stamps every
+    output line (written to run_dir/output.log) and, at each of the first ``steps`` step lines, the tree's memory;
+    the stamps, the status lines and ``wait4``'s peak RSS."""
+    run_dir.mkdir()
+    (run_dir / "cfg.yaml").write_text(json.dumps(cfg))
+    log_path = run_dir / "output.log"
+    start, command = time.perf_counter(), [str(env_bin(client) / CLIENTS[client]["cli"]), verb, "cfg.yaml"]
+    proc = subprocess.Popen(command, cwd=run_dir, env=environment(client, run_dir, side), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     timer = threading.Timer(RUN_TIMEOUT_S, os.killpg, (proc.pid, signal.SIGKILL))  # its session: its tree
     timer.start()
+    marks, statuses = [], []
+    with open(log_path, "w") as log:
+        for line in proc.stdout:  # text mode: tqdm's carriage returns end lines too
+            now = time.perf_counter() - start
+            log.write(f"{now:10.3f}  {line}")
+            if STEP_LINE.match(line) and len(marks) < steps:
+                marks.append((now, largest_hwm_kib(proc.pid)))
+            if found := STATUS.search(ANSI.sub("", line)):
+                statuses.append(found.group(1).strip())
     _, status, usage = os.wait4(proc.pid, 0)  # this child's rusage, its waited-for descendants in it
     timer.cancel()
-    reader.join()
     if code := os.waitstatus_to_exitcode(status):
-        raise RuntimeError(f"{command} exited {code} (in {cwd}):\n{(cwd / 'output.log').read_text()[-6000:]}")
+        raise RuntimeError(f"{command} exited {code} (in {run_dir}):\n{log_path.read_text()[-6000:]}")
     return {"wall_s": time.perf_counter() - start, "step_end_s": [m[0] for m in marks],
             "largest_hwm_mib": [m[1] / 1024 for m in marks], "ru_maxrss_mib": usage.ru_maxrss / 1024,
             "statuses": statuses}  # fmt: skip
@@ -233,14 +219,14 @@ def prepare(client: str, work: Path, a) -> list[dict]:
     import numpy as np
     from tokenizers import AddedToken
 
-    tokenizer = work / "tokenizer.json"
     tok = _common.stdlib_bpe(TOKENIZER_VOCAB, TOKENIZER_TRAIN_BYTES, [PAD, IM_START, IM_END])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK])
+    tokenizer = work / "tokenizer.json"
     tok.save(str(tokenizer))
     rng = np.random.default_rng(a.seed)  # bench/data.py's draws
     drawn = rng.lognormal(np.log(LOGNORMAL_MEDIAN), LOGNORMAL_SIGMA, a.steps * a.batch_size)
     lengths = np.clip(np.rint(drawn), MIN_TOKENS, a.seq_len).astype(np.int64).tolist()
-    rows = alpaca_rows(tokenizer, client, lengths)
+    rows = alpaca_rows(tok, client, lengths)
     (work / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     names = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
              "intermediate_size")  # fmt: skip
@@ -248,29 +234,19 @@ def prepare(client: str, work: Path, a) -> list[dict]:
              "max_position_embeddings": 40_960, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "bos_token_id": None,
              "eos_token": IM_END, "pad_token": PAD, "chat_template": CHAT_TEMPLATE}  # fmt: skip
     in_client(client, "write-model", str(work / "model"), str(tokenizer), json.dumps(qwen3), str(a.seed))
-    (work / "prepare").mkdir()
-    path = work / "prepare" / "cfg.yaml"
-    path.write_text(json.dumps(config(client, work, a, output_dir=str(work / "prepare" / "out"))))
-    if client == "axolotl":
-        cmd = [str(python(client).parent / "axolotl"), "preprocess", str(path)]
-        launch(cmd, path.parent, environment(client, path.parent, "plain"), 0)
-    else:
-        in_client(client, "llamafactory-tokenize", str(path))
+    verb, extra = CLIENTS[client]["prepare"]
+    launch(client, work / "prepare", config(client, work, a, work / "prepare", **extra), verb, "plain", 0)
     counts = json.loads(in_client(client, "token-counts", str(work / "prepared")))
     return [{**count, "target": target} for count, target in zip(counts, lengths, strict=True)]
 
 
 def train(client: str, work: Path, a, side: str, index: int) -> dict:
-    run_dir, spec = work / f"run{index}-{side}", CLIENTS[client]
+    run_dir = work / f"run{index}-{side}"
     out = run_dir / "out"
     extra = {"fasttrain": True} if client == "axolotl" and side == "fasttrain" else {}
-    run_dir.mkdir()
-    (run_dir / "cfg.yaml").write_text(json.dumps(config(client, work, a, output_dir=str(out), **extra)))
     load_before = os.getloadavg()[0]
-    cli = [str(python(client).parent / spec["cli"]), "train", "cfg.yaml"]
-    record = launch(cli, run_dir, environment(client, run_dir, side), a.steps)
-    history = json.loads((out / spec["history"]).read_text())
-    history = history if isinstance(history, list) else history["log_history"]
+    record = launch(client, run_dir, config(client, work, a, run_dir, **extra), "train", side, a.steps)
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     for weights in (*out.glob("*.safetensors"), *out.glob("checkpoint-*")):  # 2.4 GB a run at Qwen3-0.6B's
         shutil.rmtree(weights) if weights.is_dir() else weights.unlink()
     (final,) = [entry for entry in history if "train_runtime" in entry]
@@ -279,17 +255,15 @@ def train(client: str, work: Path, a, side: str, index: int) -> dict:
             "steps": [entry for entry in history if "loss" in entry], "dir": str(run_dir)}  # fmt: skip
 
 
-# ---------------------------------------------------------------------------------------------- measuring
-
-ROWS = (  # (figure, label, better)
-    ("tokens_per_s_all", "tokens/s, all steps, over the Trainer's train_runtime", "higher"),
-    ("tokens_per_s_after_first", "tokens/s, steps 2..N", "higher"),
-    ("step_s_after_first_median", "step time, steps 2..N, median, s", "lower"),
-    ("step_s_all_mean", "step time, all steps, mean, s", "lower"),
-    ("first_step_s", "step 1, warm-up included, s", "lower"),
-    ("peak_rss_training_mib", "peak RSS while training, largest process, MiB", "lower"),
-    ("peak_rss_run_mib", "peak RSS of the whole run, saving included, MiB", "lower"),
-    ("cli_wall_s", "CLI wall time: imports, loading, training, saving, s", "lower"),
+ROWS = (  # (figure, label, better, digits shown)
+    ("tokens_per_s_all", "tokens/s, all steps, over the Trainer's train_runtime", "higher", 1),
+    ("tokens_per_s_after_first", "tokens/s, steps 2..N", "higher", 1),
+    ("step_s_after_first_median", "step time, steps 2..N, median, s", "lower", 3),
+    ("step_s_all_mean", "step time, all steps, mean, s", "lower", 3),
+    ("first_step_s", "step 1, warm-up included, s", "lower", 3),
+    ("peak_rss_training_mib", "peak RSS while training, largest process, MiB", "lower", 0),
+    ("peak_rss_run_mib", "peak RSS of the whole run, saving included, MiB", "lower", 0),
+    ("cli_wall_s", "CLI wall time: imports, loading, training, saving, s", "lower", 1),
 )  # fmt: skip
 
 
@@ -317,16 +291,18 @@ def per_step(counts: list[dict], batch: int) -> list[int]:
     return [sum(c["tokens"] for c in counts[i : i + batch]) for i in range(0, len(counts), batch)]
 
 
-def summarize(runs: list[dict], counts: list[dict], batch: int) -> dict:
+def summarize(runs: list[dict], tokens_per_step: list[int]) -> dict:
+    """Medians and ratios of the figures every run has (steps 2..N need two steps); losses of each side's first
+    run, and how far the runs of a side stray from it."""
     by_side = {side: [r for r in runs if r["side"] == side] for side in SIDES}
-    keys = [key for key, _, _ in ROWS if all(r["figures"][key] is not None for r in runs)]
+    keys = [key for key, *_ in ROWS if all(r["figures"][key] is not None for r in runs)]
     medians = {side: {key: statistics.median(r["figures"][key] for r in by_side[side]) for key in keys}
                for side in SIDES}  # fmt: skip
     losses = {side: [s["loss"] for s in by_side[side][0]["steps"]] for side in SIDES}
     rel = [abs(f - p) / abs(p) for p, f in zip(losses["plain"], losses["fasttrain"], strict=True)]
     own = {side: max(abs(x - s["loss"]) for r in by_side[side] for x, s in zip(losses[side], r["steps"], strict=True))
            for side in SIDES}  # fmt: skip
-    return {"tokens_per_step": per_step(counts, batch), "medians": medians,
+    return {"tokens_per_step": tokens_per_step, "medians": medians,
             "ratios": {key: medians["fasttrain"][key] / medians["plain"][key] for key in keys}, "losses": losses,
             "loss_rel_diff_per_step": rel, "largest_loss_rel_diff": max(rel),
             "largest_loss_abs_diff_between_own_repeats": own,
@@ -346,27 +322,17 @@ def wait_until_quiet(threshold: float) -> float:
     return time.perf_counter() - start
 
 
-def installed_fasttrain(client: str) -> dict:
+def wheel_vs_head(installed: Path) -> dict:
     """Where the client environment's fasttrain is, and which of its Python files differ from HEAD's (git blob
     hashes): whether the wheel measured is the commit recorded."""
-    installed = Path(in_client(client, "fasttrain-dir").strip())
     git = ["git", "ls-tree", "-r", "HEAD", "python/fasttrain"]
     listing = subprocess.run(git, cwd=_common.ROOT, capture_output=True, text=True, check=True).stdout
-    tree = {path.removeprefix("python/fasttrain/"): meta.split()[2]
+    head = {path.removeprefix("python/fasttrain/"): meta.split()[2]
             for meta, path in (x.split("\t") for x in listing.splitlines())}  # fmt: skip
-    differ = []
-    for path in sorted(installed.rglob("*.py")):
-        data, name = path.read_bytes(), str(path.relative_to(installed))
-        if tree.get(name) != hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest():
-            differ.append(name)
+    files = {str(path.relative_to(installed)): path.read_bytes() for path in sorted(installed.rglob("*.py"))}
+    differ = [name for name, data in files.items()
+              if head.get(name) != hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()]  # fmt: skip
     return {"installed_at": str(installed), "installed_python_files_differing_from_head": differ}
-
-
-# ------------------------------------------------------------------------------------------------ report
-
-
-def _num(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
 
 
 def markdown(result: dict) -> list[str]:
@@ -374,12 +340,8 @@ def markdown(result: dict) -> list[str]:
     spec, (hidden, layers, heads, kv_heads, head_dim, mlp) = CLIENTS[a["client"]], SHAPES[a["model"]]
     layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 2 * head_dim + 2 * hidden + 3 * hidden * mlp
     params = QWEN3_VOCAB * hidden + hidden + layers * layer
-    differ = result["fasttrain_wheel"]["installed_python_files_differing_from_head"]
-    wheel = (
-        f"installed files differing from HEAD: {', '.join(differ)}"
-        if differ
-        else "its Python files are HEAD's"
-    )
+    differ = ", ".join(result["fasttrain_wheel"]["installed_python_files_differing_from_head"])
+    wheel = f"installed files differing from HEAD: {differ}" if differ else "its Python files are HEAD's"
     loads = ", ".join(f"{r['load_1min_before']:.1f}->{r['load_1min_after']:.1f}" for r in result["runs"])
     versions = ", ".join(f"{k} {v}" for k, v in result["client_versions"].items())
     tokens = ", ".join(str(c["tokens"]) for c in counts)
@@ -403,10 +365,9 @@ def markdown(result: dict) -> list[str]:
         "|  | plain | fasttrain | ratio |",
         "| --- | ---: | ---: | ---: |",
     ]  # fmt: skip
-    digits = {key: 3 if "step_s" in key else 0 if key.endswith("mib") else 1 for key, _, _ in ROWS}
-    for key, label, better in ROWS:
+    for key, label, better, digits in ROWS:
         if key in s["ratios"]:
-            plain, fast = (_num(s["medians"][side][key], digits[key]) for side in SIDES)
+            plain, fast = (f"{s['medians'][side][key]:,.{digits}f}" for side in SIDES)
             lines.append(f"| {label} ({better} is better) | {plain} | {fast} | {s['ratios'][key]:.2f}x |")
     own = s["largest_loss_abs_diff_between_own_repeats"]
     lines += [
@@ -430,9 +391,6 @@ def markdown(result: dict) -> list[str]:
     return lines
 
 
-# --------------------------------------------------------------------------------------------------- main
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--client", required=True, choices=sorted(CLIENTS))
@@ -442,31 +400,30 @@ def main() -> None:
     p.add_argument("--wait-load", type=float, default=0.5, help="first wait for this load, no pytest; 0: no")
     a = p.parse_args()
     client = a.client
-    if not python(client).is_file():
-        sys.exit(f"no {python(client)}: build the environment with `bash .ci/env-{client}`")
+    if not (env_bin(client) / "python").is_file():
+        sys.exit(f"no {env_bin(client) / 'python'}: build the environment with `bash .ci/env-{client}`")
     start, waited = time.perf_counter(), wait_until_quiet(a.wait_load)
     result = _common.new_result(f"clients_cpu_{client}")
     packages = ["torch", "transformers", "trl", "accelerate", "datasets", client, "fasttrain"]
-    result.update(
-        settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
-        client_versions=json.loads(in_client(client, "versions", *packages)),
-        fasttrain_wheel=installed_fasttrain(client),
-        waited_s=waited,
-    )
+    installed = json.loads(in_client(client, "installed", *packages))
+    result.update(settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
+                  client_versions=installed["versions"],
+                  fasttrain_wheel=wheel_vs_head(Path(installed["fasttrain_dir"])), waited_s=waited)  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix=f"bench_clients_{client}_"))  # model, data and runs
     try:
         print(f"[bench_clients] preparing model and data in {work}", flush=True)
         counts, runs = prepare(client, work, a), []
+        tokens_per_step = per_step(counts, a.batch_size)
         for index, side in itertools.product(range(1, a.repeats + 1), SIDES):
             run = train(client, work, a, side, index)
-            run["figures"] = f = figures(run, per_step(counts, a.batch_size))
+            run["figures"] = f = figures(run, tokens_per_step)
             runs.append(run)
             print(f"[bench_clients] run {index} {side}: {f['tokens_per_s_all']:.1f} tokens/s, peak RSS "
                   f"{f['peak_rss_training_mib']:,.0f} MiB, {run['wall_s']:.0f} s", flush=True)  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result.update(wall_s=time.perf_counter() - start, load_after=os.getloadavg()[0], token_counts=counts,
-                  summary=summarize(runs, counts, a.batch_size), runs=runs)  # fmt: skip
+                  summary=summarize(runs, tokens_per_step), runs=runs)  # fmt: skip
     stem = f"clients_cpu_{client}" + ("" if a.model == "qwen3-0.6b" else f"_{a.model}")
     title = f"{CLIENTS[client]['title']}, SFT on CPU: plain vs with fasttrain"
     print(_common.write(a.out, stem, result, title, markdown(result)))
