@@ -8,7 +8,7 @@ padding-free and padding-free on packed rows, DPO's and KTO's (``max_length=1024
 
 Usage:
     python benchmarks/bench_collators.py            # writes benchmarks/results/collators.{json,md}
-    python benchmarks/bench_collators.py --smoke     # tiny run, checks that the script works
+    python benchmarks/bench_collators.py --batch 8 --max-len 64 --calls 3 --batches 2 --out /tmp   # smoke run
 """
 
 from __future__ import annotations
@@ -127,10 +127,7 @@ def main() -> None:
     # --calls: timed calls per collator and case (alternating); --batches: distinct batches cycled through
     _common.int_options(p, batch=64, min_len=16, max_len=2048, calls=30, batches=4, seed=0)
     p.add_argument("--out", type=Path, default=_common.RESULTS)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes; results are not written")
     args = p.parse_args()
-    if args.smoke:
-        args.batch, args.max_len, args.calls, args.batches = 8, 64, 3, 2
     record = _common.new_result("collators", "numpy")
     tok = _common.word_level_tokenizer()  # pad id 0 = PAD_ID
     rng = np.random.default_rng(args.seed)
@@ -164,9 +161,6 @@ def main() -> None:
     record["setup"] = {"batch": args.batch, "lengths": [args.min_len, args.max_len], "timed_calls_per_collator":
                        args.calls, "distinct_batches": args.batches, "return_tensors": "pt", "method": method}  # fmt: skip
     record["results"] = results
-    if args.smoke:
-        print("smoke run: results not written")
-        return
     lines = [
         f"Batch {args.batch}, lengths uniform in [{args.min_len}, {args.max_len}], {args.calls} timed calls per "
         f"collator over {args.batches} batches, return_tensors='pt'; {method}. Outputs checked identical first.",

@@ -3,7 +3,8 @@
 Run in LLaMA-Factory's environment (bash .ci/env-llamafactory):
 
     .ci-envs/llamafactory/bin/python benchmarks/bench_collators_llamafactory.py           # writes results/
-    .ci-envs/llamafactory/bin/python benchmarks/bench_collators_llamafactory.py --smoke   # checks the script
+    .ci-envs/llamafactory/bin/python benchmarks/bench_collators_llamafactory.py --batch-sizes 2 8 --max-len 64 \
+        --calls 3 --batches 2 --out /tmp   # smoke run
 
 The collator as LLaMA-Factory's SFT workflow builds it (qwen3 template, pad_to_multiple_of=8, right padding), on
 rows as its dataset hands them over; its twin (``fasttrain.integration.llamafactory.native_collator``) runs all of
@@ -88,17 +89,11 @@ def main() -> None:
     # --calls: timed calls per contender and batch size (alternating); --batches: distinct batches cycled through
     setup = _common.int_options(p, max_len=2048, calls=40, batches=4, seed=0)
     p.add_argument("--out", type=Path, default=_common.RESULTS)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes; results are not written")
     args = p.parse_args()
-    if args.smoke:
-        args.batch_sizes, args.max_len, args.calls, args.batches = [2, 8], 64, 3, 2
     transformers.logging.set_verbosity_error()
     record = _common.new_result("collators_llamafactory", "llamafactory", "numpy")
     record["setup"] = {name: getattr(args, name) for name in setup}
     record["speed"] = measure(args, np.random.default_rng(args.seed))
-    if args.smoke:
-        print("smoke run: results not written")
-        return
     lines = [
         "SFTDataCollatorWith4DAttentionMask as LLaMA-Factory builds it, and fasttrain's twin of it (the same "
         "object, padded in Rust); transformers' DataCollatorForSeq2Seq beside them (pad_to_multiple_of=8, "
