@@ -80,18 +80,29 @@ def _load_rows(spec: str):
             builder = _LOCAL_FORMATS[path.suffix.lower()]
             return datasets.load_dataset(builder, data_files=str(path), split="train")
         return datasets.load_dataset(spec, split="train")
-    except (
-        Exception
-    ) as exc:  # datasets raises many types (DatasetNotFoundError, ArrowInvalid, ConnectionError ...)
+    # datasets raises many types (DatasetNotFoundError, ArrowInvalid, ConnectionError ...)
+    except Exception as exc:
         raise DatasetError(f"--dataset {spec!r} could not be loaded: {type(exc).__name__}: {exc}") from None
 
 
-def _texts_from_rows(rows, spec: str) -> Iterable[str]:
+def _token_blocks(spec: str, tokenizer) -> Iterable[list[list[int]]]:
+    """Every document of the data, tokenized whole (no truncation): a stdlib file as its top-level blocks' ids,
+    a row of a dataset as one block."""
+    if spec == DEFAULT:
+        for document in corpus.iter_documents():
+            yield tokenizer(corpus.top_level_blocks(document), add_special_tokens=False)["input_ids"]
+        return
+    rows = _load_rows(spec)
+    if "input_ids" in rows.column_names:  # already tokenized: used as is
+        yield from ([list(row)] for row in rows["input_ids"])
+        return
     if "text" not in rows.column_names:
         raise DatasetError(
             f"--dataset {spec!r} has no 'text' or 'input_ids' column (columns: {', '.join(rows.column_names)})"
         )
-    return (text for text in rows["text"] if isinstance(text, str) and text.strip())
+    for text in rows["text"]:
+        if isinstance(text, str) and text.strip():
+            yield [tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
 def _chunk_blocks(block_ids: list[list[int]], seq_len: int) -> Iterable[list[int]]:
@@ -112,38 +123,13 @@ def _chunk_blocks(block_ids: list[list[int]], seq_len: int) -> Iterable[list[int
         yield current
 
 
-def _default_examples(tokenizer, seq_len: int, num_examples: int) -> list[list[int]]:
+def _natural_examples(spec: str, tokenizer, seq_len: int, num_examples: int) -> list[list[int]]:
+    """Each document truncated to ``seq_len``; a stdlib file's blocks joined while they fit (``_chunk_blocks``)."""
     examples: list[list[int]] = []
-    for document in corpus.iter_documents():
-        blocks = corpus.top_level_blocks(document)
-        block_ids = tokenizer(blocks, add_special_tokens=False)["input_ids"]
-        examples.extend(ids for ids in _chunk_blocks(block_ids, seq_len) if len(ids) >= MIN_TOKENS)
+    for blocks in _token_blocks(spec, tokenizer):
+        examples.extend(ids for ids in _chunk_blocks(blocks, seq_len) if len(ids) >= MIN_TOKENS)
         if len(examples) >= num_examples:
             break
-    return examples[:num_examples]
-
-
-def _file_examples(spec: str, tokenizer, seq_len: int, num_examples: int) -> list[list[int]]:
-    rows = _load_rows(spec)
-    if "input_ids" in rows.column_names:  # already tokenized: used as is, truncated
-        ids = [list(row[:seq_len]) for row in rows["input_ids"] if len(row) >= MIN_TOKENS]
-        return ids[:num_examples]
-    examples: list[list[int]] = []
-    batch: list[str] = []
-
-    def flush() -> None:
-        encoded = tokenizer(batch, truncation=True, max_length=seq_len, add_special_tokens=False)["input_ids"]
-        examples.extend(ids for ids in encoded if len(ids) >= MIN_TOKENS)
-        batch.clear()
-
-    for text in _texts_from_rows(rows, spec):
-        batch.append(text)
-        if len(batch) == 256:
-            flush()
-            if len(examples) >= num_examples:
-                break
-    if batch:
-        flush()
     return examples[:num_examples]
 
 
@@ -170,28 +156,13 @@ def lognormal_lengths(count: int, seq_len: int, seed, lower: int = MIN_TOKENS) -
     return np.clip(np.rint(drawn), lower, max(seq_len, lower)).astype(np.int64).tolist()
 
 
-def _token_documents(spec: str, tokenizer) -> Iterable[list[int]]:
-    """Every document of the data, tokenized whole (no truncation)."""
-    if spec == DEFAULT:
-        for document in corpus.iter_documents():
-            blocks = tokenizer(corpus.top_level_blocks(document), add_special_tokens=False)["input_ids"]
-            yield [token for ids in blocks for token in ids]
-        return
-    rows = _load_rows(spec)
-    if "input_ids" in rows.column_names:
-        yield from (list(row) for row in rows["input_ids"])
-        return
-    for text in _texts_from_rows(rows, spec):
-        yield tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def _lognormal_examples(spec: str, tokenizer, seq_len: int, num_examples: int, seed: int) -> list[list[int]]:
     lengths = lognormal_lengths(num_examples, seq_len, seed)
     separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     examples: list[list[int]] = []
     stream: list[int] = []
-    for document in _token_documents(spec, tokenizer):
-        stream.extend(document + separator)
+    for blocks in _token_blocks(spec, tokenizer):
+        stream.extend([token for ids in blocks for token in ids] + separator)
         start = 0
         while len(examples) < num_examples and len(stream) - start >= lengths[len(examples)]:
             end = start + lengths[len(examples)]
@@ -212,9 +183,7 @@ def build_examples(
         return _lognormal_examples(spec, tokenizer, seq_len, num_examples, seed)
     if lengths != NATURAL:
         raise DatasetError(f"--lengths must be one of {', '.join(LENGTH_KINDS)}, got {lengths!r}")
-    if spec == DEFAULT:
-        return _default_examples(tokenizer, seq_len, num_examples)
-    return _file_examples(spec, tokenizer, seq_len, num_examples)
+    return _natural_examples(spec, tokenizer, seq_len, num_examples)
 
 
 def as_dataset(examples: list[list[int]]):
