@@ -17,10 +17,10 @@ import shlex
 import sys
 import time
 
+from .bench.config import GENERATING_TRAINERS, GENERATION_FIELDS
 from .hot_paths import HotPaths
 
-TRAINER_TYPES = ("transformers", "sft", "dpo", "kto", "grpo", "rloo")
-_GENERATION_OPTIONS = ("num_generations", "max_completion_length", "completions")
+TRAINER_TYPES = ("transformers", "sft", "dpo", "kto", *GENERATING_TRAINERS)
 
 
 class UsageError(ValueError):
@@ -33,11 +33,9 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bench",
         help="run the transformers Trainer and fasttrain side by side",
-        description="Train the same model on the same data with the same seed and arguments, once with "
-        "transformers.Trainer and once with fasttrain.Trainer (or, with --trainer sft/dpo/kto/grpo/rloo, TRL's "
-        "trainer plain and under fasttrain.patch()), each in its own process, alternating repetitions; then print "
-        "a side-by-side table. Unset options come from --preset, else from the built-in preset of the device and "
-        "trainer (cpu, cpu-trl, cpu-rl, cuda, cuda-rl). How each figure is measured: docs/method.md.",
+        description="Train the same model, data and seed with transformers.Trainer and fasttrain.Trainer (or TRL's "
+        "trainer plain and patched), each in its own process; print a side-by-side table. Unset options come from "
+        "--preset, else the built-in preset of the device and trainer. docs/usage.md, docs/method.md.",
     )
     p.set_defaults(command_parser=p)  # main() reports a misspelled option with this parser's usage
     add = p.add_argument
@@ -45,14 +43,13 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     shapes = "; ".join(
         f"{n}: {models.describe_summary(models.builtin_summary(n))}" for n in models.BUILTIN_SHAPES
     )
+    preset_help = "; ".join(f"{name}: {preset.summary}" for name, preset in presets.PRESETS.items())
     # fmt: off
     # argparse %-formats help strings: percentages need doubling
-    add("--preset", choices=list(presets.PRESETS), help=presets.help_text().replace("%", "%%"))
+    add("--preset", choices=list(presets.PRESETS), help=preset_help.replace("%", "%%"))
     add("--smoke", action="store_true", help="run the preset's tiny-CPU twin: the same code in seconds, without a GPU")
     add("--trainer", choices=TRAINER_TYPES, help="transformers: transformers.Trainer against fasttrain.Trainer; "
-        "sft / dpo / kto / grpo / rloo: TRL's trainer of that name (completion-only SFT; DPO and KTO with a "
-        "reference model; GRPO and RLOO generating --num-generations completions per prompt), plain against under "
-        "fasttrain.patch() (default: transformers)")
+        "else TRL's trainer of that name, plain against under fasttrain.patch() (default: transformers)")
     add("--model", help=f"a built-in Qwen3 shape at random init ({shapes.replace('%', '%%')}), a local directory "
         "or a hub id")
     add("--dataset", help="'default' (the Python standard library's sources), a local .json/.jsonl/.parquet/.txt "
@@ -146,8 +143,8 @@ def settings(args: argparse.Namespace) -> dict:
         merged["seq_len"] = merged["seq_len"][merged["lengths"]]
     if "warmup_steps" not in given:  # derived from --steps: `--steps 1` alone must not trip over it
         merged["warmup_steps"] = min(merged["warmup_steps"], max(merged["steps"] - 1, 0))
-    if trainer not in ("grpo", "rloo"):
-        wrong = [f"--{k.replace('_', '-')}" for k in _GENERATION_OPTIONS if k in given]
+    if trainer not in GENERATING_TRAINERS:
+        wrong = [f"--{k.replace('_', '-')}" for k in GENERATION_FIELDS if k in given]
         if wrong:
             raise UsageError(f"{', '.join(wrong)} only apply to --trainer grpo and rloo")
     merged.setdefault("threads", len(os.sched_getaffinity(0)))
@@ -158,7 +155,7 @@ def _check(s: dict) -> None:
     """Usage errors, each one line, before any child starts."""
     from .bench import data, models
 
-    generates = s["trainer"] in ("grpo", "rloo")
+    generates = s["trainer"] in GENERATING_TRAINERS
     minimums = {"steps": 1, "seq_len": data.MIN_TOKENS, "batch_size": 1, "grad_accum": 1, "repeats": 1,
                 "warmup_steps": 0, "threads": 1, **({"num_generations": 2, "max_completion_length": 1} if generates
                                                     else {})}  # fmt: skip
@@ -216,7 +213,7 @@ def resolve(args: argparse.Namespace):
 
     s = settings(args)
     _check(s)
-    generates = s["trainer"] in ("grpo", "rloo")
+    generates = s["trainer"] in GENERATING_TRAINERS
     if s["liger"] is None:
         s["liger"] = s["device"] == "cuda" and not generates and _liger_importable()
     config = BenchConfig(
@@ -224,7 +221,7 @@ def resolve(args: argparse.Namespace):
                                    "bf16", "seed", "threads", "warmup_steps", "group_by_length", "lengths")},
         learning_rate=s["lr"],
         trainer_type=s["trainer"],
-        **({key: s[key] for key in _GENERATION_OPTIONS} if generates else {}),
+        **({key: s[key] for key in GENERATION_FIELDS} if generates else {}),
     )  # fmt: skip
     contenders = [Contender(REFERENCE, REFERENCE), Contender(FASTTRAIN, FASTTRAIN)]
     if s["liger"]:

@@ -12,7 +12,7 @@ FASTTRAIN = "fasttrain"
 LIGER = "liger"
 # --trainer kinds whose step generates completions (model.generate) before training on them
 GENERATING_TRAINERS = ("grpo", "rloo")
-_GENERATION_FIELDS = ("num_generations", "max_completion_length", "completions")
+GENERATION_FIELDS = ("num_generations", "max_completion_length", "completions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ class BenchConfig:
         """The settings; GRPO's and RLOO's only where the run generates (elsewhere they would mean nothing)."""
         out = dataclasses.asdict(self)
         if not self.generates:
-            for key in _GENERATION_FIELDS:
+            for key in GENERATION_FIELDS:
                 del out[key]
         return out
 

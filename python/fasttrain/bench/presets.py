@@ -134,7 +134,3 @@ def chosen(name: str | None, smoke: bool, trainer: str | None) -> dict[str, Any]
     if smoke:
         return PRESETS[name or default_for("cpu", trainer or "transformers")].smoke
     return PRESETS[name].options if name else {}
-
-
-def help_text() -> str:
-    return "; ".join(f"{name}: {preset.summary}" for name, preset in PRESETS.items())

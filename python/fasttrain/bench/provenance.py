@@ -38,11 +38,6 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def cores() -> int:
-    """The CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def load_average() -> float | None:
     """The 1-minute load average (None where the platform has none)."""
     try:
@@ -59,7 +54,7 @@ def machine() -> dict[str, Any]:
         memory_gib = None
     out: dict[str, Any] = {
         "cpu": cpu_model(),
-        "cores": cores(),
+        "cores": len(os.sched_getaffinity(0)),  # those this process may run on (Linux only, docs/support.md)
         "memory_gib": memory_gib,
         "platform": platform.platform(),
     }
@@ -115,16 +110,11 @@ def command() -> str:
     return shlex.join([interpreter, str(script), *sys.argv[1:]])
 
 
-def utc_now() -> str:
-    """'2026-12-03T19:00:58+00:00'."""
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-
-
 def record(*packages: str, command_line: str | None = None) -> dict[str, Any]:
     """The provenance block of a result file: date, command (``command_line``, else this process's), commit,
     machine, load at the start, versions."""
     return {
-        "date_utc": utc_now(),
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command_line or command(),
         "commit": git_commit(),
         "machine": machine(),

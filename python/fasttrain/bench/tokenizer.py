@@ -27,11 +27,6 @@ DEFAULT_VOCAB_SIZE = 8192
 DEFAULT_TRAIN_BYTES = 4_000_000
 
 
-def cache_root() -> pathlib.Path:
-    env = os.environ.get("FASTTRAIN_CACHE")
-    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "fasttrain"
-
-
 def _cache_key(files: list[pathlib.Path], vocab_size: int) -> str:
     """Hash of the settings and of each training file's path, size and mtime (cheap: no file is read)."""
     digest = hashlib.sha256()
@@ -48,7 +43,17 @@ def _cache_key(files: list[pathlib.Path], vocab_size: int) -> str:
     return digest.hexdigest()[:16]
 
 
-def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
+def load_or_train(
+    vocab_size: int = DEFAULT_VOCAB_SIZE, train_bytes: int = DEFAULT_TRAIN_BYTES
+) -> tuple[pathlib.Path, bool]:
+    """Path of the cached ``tokenizer.json`` (trained now if absent) and whether it came from the cache."""
+    files = corpus.leading_files(train_bytes)
+    root = pathlib.Path(os.environ.get("FASTTRAIN_CACHE") or pathlib.Path.home() / ".cache" / "fasttrain")
+    directory = root / "tokenizers" / _cache_key(files, vocab_size)
+    path = directory / "tokenizer.json"
+    if path.is_file():
+        return path, True
+    texts = corpus.read_texts(files)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -59,19 +64,6 @@ def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    return tok
-
-
-def load_or_train(
-    vocab_size: int = DEFAULT_VOCAB_SIZE, train_bytes: int = DEFAULT_TRAIN_BYTES
-) -> tuple[pathlib.Path, bool]:
-    """Path of the cached ``tokenizer.json`` (trained now if absent) and whether it came from the cache."""
-    files = corpus.leading_files(train_bytes)
-    directory = cache_root() / "tokenizers" / _cache_key(files, vocab_size)
-    path = directory / "tokenizer.json"
-    if path.is_file():
-        return path, True
-    tok = train_bpe(corpus.read_texts(files), vocab_size)
     directory.mkdir(parents=True, exist_ok=True)
     # Write then rename: two processes training at once each leave a whole file, never half of one.
     partial = directory / f"tokenizer.json.{os.getpid()}.partial"
