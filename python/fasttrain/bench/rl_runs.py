@@ -1,13 +1,12 @@
-"""``fasttrain bench --trainer grpo|rloo``: one run of TRL's GRPOTrainer or RLOOTrainer, plain or under ``patch()``.
+"""``fasttrain bench --trainer grpo|rloo``: what a GRPOTrainer or RLOOTrainer run adds to ``trl_runs``' (which
+builds every TRL trainer alike, here from one text ``prompt`` per example; rewards: ``bench/rewards.py``).
 
-Both sides build the same trainer from the same model, prompts, seed and arguments; the fasttrain side only calls
-``fasttrain.patch()`` first. TRL's defaults stay (loss type, ``beta``: 0 for GRPO, 0.05 for RLOO, whose reference
-model TRL loads from the policy's name; temperature 1, no top-k/top-p; gradient checkpointing on), except the
-sizes the bench sets: ``num_generations`` completions per prompt of at most ``max_completion_length`` tokens, and
-``--batch-size`` completions per micro-batch (TRL's ``per_device_train_batch_size``), so each optimizer step
-trains on ``batch_size x grad_accum / num_generations`` prompts, all generated at the step's start.
+TRL's defaults stay (loss type, ``beta``: 0 for GRPO, 0.05 for RLOO, whose reference model TRL loads from the
+policy's name; temperature 1, no top-k/top-p; gradient checkpointing on), except the sizes the bench sets:
+``num_generations`` completions per prompt of at most ``max_completion_length`` tokens, and ``--batch-size``
+completions per micro-batch (TRL's ``per_device_train_batch_size``), so each optimizer step trains on
+``batch_size x grad_accum / num_generations`` prompts, all generated at the step's start.
 
-Prompts are the bench's token-id examples decoded to text; rewards are ``bench/rewards.py``.
 - Completions, ``--completions sampled`` (the default): TRL's ``model.generate``, sampling seeded by ``--seed``
   (both sides alike). A built-in model at random initialisation would never stop before the limit (its one
   end-of-text id has a chance of about 1 in 151,936 per token), so the bench gives it ``STOP_IDS`` more ids that end
@@ -20,19 +19,11 @@ Prompts are the bench's token-id examples decoded to text; rewards are ``bench/r
 from __future__ import annotations
 
 import os
-from typing import Any
 
-from .config import BenchConfig, Contender, training_kwargs
-from .rewards import REWARD_FUNCS
+from .config import BenchConfig
 
-SAMPLED = "sampled"
 SYNTHETIC = "synthetic"
 STOP_IDS = 600  # extra ids that end a built-in model's completion (see the module's docstring)
-
-
-def prompt_rows(examples: list[list[int]], tokenizer) -> dict[str, list[str]]:
-    """One ``prompt`` (text) per example."""
-    return {"prompt": [tokenizer.decode(ids) for ids in examples]}
 
 
 def stop_ids(model, tokenizer) -> list[int]:
@@ -86,33 +77,14 @@ def _reference_by_name(model, output_dir: str) -> None:
     model.config._name_or_path = path
 
 
-def build_trainer(config: BenchConfig, contender: Contender, model, tokenizer, examples: list[list[int]],
-                  output_dir: str, callback) -> Any:  # fmt: skip
-    """TRL's GRPOTrainer or RLOOTrainer (``config.trainer_type``) for ``contender``, plain or under ``patch()``."""
-    import datasets
-    import trl
-
+def prepare_policy(config: BenchConfig, model, tokenizer, beta: float, output_dir: str) -> None:
+    """Before the trainer is built: the completions ``config.completions`` asks for, and, where TRL will load a
+    reference model (``beta`` > 0), a name it can load it from."""
     from . import models
 
-    # under fasttrain.patch() already for the fasttrain side (trl_runs.build_trainer)
-    kind = config.trainer_type.upper()
-    trainer_cls, args_cls = getattr(trl, f"{kind}Trainer"), getattr(trl, f"{kind}Config")
-    args = args_cls(
-        **training_kwargs(config, contender, output_dir, args_cls),
-        num_generations=config.num_generations,
-        max_completion_length=config.max_completion_length,
-    )
     if config.completions == SYNTHETIC:
         model.generate = synthetic_generate(config, tokenizer, tokenizer.pad_token_id)
     elif config.model in models.BUILTIN_SHAPES:
         model.generation_config.eos_token_id = stop_ids(model, tokenizer)
-    if args.beta != 0.0:
+    if beta != 0.0:
         _reference_by_name(model, output_dir)
-    return trainer_cls(
-        model=model,
-        reward_funcs=list(REWARD_FUNCS),
-        args=args,
-        train_dataset=datasets.Dataset.from_dict(prompt_rows(examples, tokenizer)),
-        processing_class=tokenizer,
-        callbacks=[callback],
-    )

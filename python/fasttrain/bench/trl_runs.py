@@ -1,5 +1,5 @@
-"""``fasttrain bench --trainer sft|dpo|kto``: one run of TRL's SFTTrainer, DPOTrainer or KTOTrainer, plain or under
-``patch()`` (GRPO and RLOO, which generate: ``rl_runs``).
+"""``fasttrain bench --trainer sft|dpo|kto|grpo|rloo``: one run of TRL's trainer of that kind, plain or under
+``patch()`` (what GRPO and RLOO, which generate, need beside: ``rl_runs``).
 
 Both sides build the same trainer class from the same model, data, seed and arguments; the fasttrain side only
 calls ``fasttrain.patch()`` first, as a TRL user would. TRL's own defaults stay (its collators, gradient
@@ -15,7 +15,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from . import rl_runs
 from .config import FASTTRAIN, BenchConfig, Contender, training_kwargs
+from .rewards import REWARD_FUNCS
 
 # fraction of each example that is prompt, drawn per example from this range with the bench's seed
 PROMPT_FRACTION = (0.1, 0.6)
@@ -74,32 +76,32 @@ def build_trainer(config: BenchConfig, contender: Contender, model, ref_model, t
         import fasttrain
 
         fasttrain.patch()  # FASTTRAIN_DISABLE (ablation runs) still switches paths off
-    if config.generates:
-        from . import rl_runs
-
-        return rl_runs.build_trainer(config, contender, model, tokenizer, examples, output_dir, callback)
+    kind = config.trainer_type.upper()
+    trainer_cls, args_cls = getattr(trl, f"{kind}Trainer"), getattr(trl, f"{kind}Config")
+    sizes: dict[str, Any] = {"max_length": config.seq_len}
+    extra: dict[str, Any] = {}  # the trainer's own arguments beyond the ones every TRL trainer takes
     if config.trainer_type == "sft":
-        args = trl.SFTConfig(
-            **training_kwargs(config, contender, output_dir, trl.SFTConfig),
-            max_length=config.seq_len,
-            packing=False,
-            completion_only_loss=True,
-        )
-        rows, references = sft_rows(examples, config.seed), {}
+        sizes.update(packing=False, completion_only_loss=True)
+        rows = sft_rows(examples, config.seed)
+    elif config.generates:  # GRPO and RLOO: prompts, completions generated at each step (rl_runs)
+        sizes = {
+            "num_generations": config.num_generations,
+            "max_completion_length": config.max_completion_length,
+        }
+        extra["reward_funcs"] = list(REWARD_FUNCS)
+        rows = {"prompt": [tokenizer.decode(ids) for ids in examples]}
     else:  # DPO and KTO: text rows, and a frozen reference model
-        kind = config.trainer_type.upper()
-        trainer_cls, args_cls = getattr(trl, f"{kind}Trainer"), getattr(trl, f"{kind}Config")
         make_rows = preference_rows if config.trainer_type == "dpo" else unpaired_rows
-        args = args_cls(**training_kwargs(config, contender, output_dir, args_cls), max_length=config.seq_len)
-        rows, references = (
-            make_rows(examples, tokenizer, config.seq_len, config.seed),
-            {"ref_model": ref_model},
-        )
-    return (trl.SFTTrainer if config.trainer_type == "sft" else trainer_cls)(
+        rows = make_rows(examples, tokenizer, config.seq_len, config.seed)
+        extra["ref_model"] = ref_model
+    args = args_cls(**training_kwargs(config, contender, output_dir, args_cls), **sizes)
+    if config.generates:
+        rl_runs.prepare_policy(config, model, tokenizer, args.beta, output_dir)
+    return trainer_cls(
         model=model,
         args=args,
         train_dataset=datasets.Dataset.from_dict(rows),
         processing_class=tokenizer,
         callbacks=[callback],
-        **references,
+        **extra,
     )
