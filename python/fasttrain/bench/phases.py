@@ -18,48 +18,16 @@ TRAINING = "training"
 _CLEAR_REFS = "/proc/self/clear_refs"
 
 
-class PeakMemory:
-    """Peak memory since the last ``take()``, in MiB: CUDA's allocator, or the process's peak RSS on CPU."""
-
-    def __init__(self, is_cuda: bool) -> None:
-        self.is_cuda = is_cuda
-        self.resettable = is_cuda or _can_reset_rss_peak()
-
-    def take(self) -> float | None:
-        """The peak since the previous call (or the process start), then reset; None if it cannot be reset."""
-        if self.is_cuda:
-            import torch
-
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() / 2**20
-            torch.cuda.reset_peak_memory_stats()
-            return peak
-        if not self.resettable:
-            return None
-        peak = _rss_peak_mb()
-        _reset_rss_peak()
-        return peak
-
-
-def _rss_peak_mb() -> float:
-    with open("/proc/self/status", encoding="ascii") as handle:
-        for line in handle:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**10  # kB
-    raise OSError("no VmHWM in /proc/self/status")
-
-
-def _reset_rss_peak() -> None:
-    with open(_CLEAR_REFS, "w", encoding="ascii") as handle:
-        handle.write("5")
-
-
-def _can_reset_rss_peak() -> bool:
+def _rss_peak_mb() -> float | None:
+    """The process's peak RSS (VmHWM), in MiB; None where /proc/self/status has none."""
     try:
-        _rss_peak_mb()
-        return os.access(_CLEAR_REFS, os.W_OK)
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**10  # kB
     except OSError:
-        return False
+        pass
+    return None
 
 
 def completion_tokens(output: Any, prompt_width: int, eos_ids: list[int]) -> int:
@@ -91,7 +59,7 @@ class PhaseMeter:
 
     def __init__(self, is_cuda: bool) -> None:
         self.is_cuda = is_cuda
-        self.memory = PeakMemory(is_cuda)
+        self.resettable = is_cuda or (_rss_peak_mb() is not None and os.access(_CLEAR_REFS, os.W_OK))
         self.setup_peak_mb: float | None = None
         self.peak_mb: dict[str, float | None] = {GENERATION: None, TRAINING: None}
         self.generation_s: list[float] = []  # per optimizer step
@@ -119,7 +87,7 @@ class PhaseMeter:
 
     def start(self) -> None:
         """Training begins: what came before (model, data, trainer construction) is the setup's peak."""
-        self.setup_peak_mb = self.memory.take()
+        self.setup_peak_mb = self._take_peak()
 
     def step_end(self) -> None:
         self._close(TRAINING)
@@ -129,16 +97,26 @@ class PhaseMeter:
         self._step = {"s": 0.0, "cpu_s": 0.0, "tokens": 0}
 
     def _close(self, phase: str) -> None:
-        peak = self.memory.take()
+        peak = self._take_peak()
         if peak is not None:
             known = self.peak_mb[phase]
             self.peak_mb[phase] = peak if known is None else max(known, peak)
 
-    def run_peak_mb(self) -> float | None:
-        """The whole process's peak: setup and both phases; None where the phases could not be told apart."""
-        if self.setup_peak_mb is None:
+    def _take_peak(self) -> float | None:
+        """The peak since the previous call (or the process start), then reset; None if it cannot be reset."""
+        if self.is_cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() / 2**20
+            torch.cuda.reset_peak_memory_stats()
+            return peak
+        if not self.resettable:
             return None
-        return max(v for v in (self.setup_peak_mb, *self.peak_mb.values()) if v is not None)
+        peak = _rss_peak_mb()
+        with open(_CLEAR_REFS, "w", encoding="ascii") as handle:
+            handle.write("5")
+        return peak
 
 
 def phase_results(
@@ -180,10 +158,9 @@ def phase_results(
     setup = result["memory_after_setup_mb"]
     if meter.peak_mb[TRAINING] is not None:
         out["training_peak_above_setup_mb"] = meter.peak_mb[TRAINING] - setup
-    run_peak = meter.run_peak_mb()
-    if (
-        run_peak is not None
-    ):  # on CPU the reset also reset ru_maxrss: the run's peak is the phases' and setup's
+    # on CPU the reset also reset ru_maxrss: the run's peak is the phases' and setup's, where told apart
+    if meter.setup_peak_mb is not None:
+        run_peak = max(v for v in (meter.setup_peak_mb, *meter.peak_mb.values()) if v is not None)
         out["peak_memory_mb"] = run_peak
         out["peak_above_setup_mb"] = run_peak - setup
         if not meter.is_cuda:

@@ -36,17 +36,13 @@ def _has_vocab(shapes: Any, vocab: int) -> bool:
     )
 
 
-def _ancestors(event):
-    parent = event.cpu_parent
-    while parent is not None:
-        yield parent
-        parent = parent.cpu_parent
-
-
 def category(event, vocab: int) -> str:
     """The category one profiler event's self time goes to (see the module's docstring)."""
-    name = event.name
-    chain = [name, *(a.name for a in _ancestors(event))]
+    name, parent = event.name, event.cpu_parent
+    chain = [name]  # the event's name and its ancestors'
+    while parent is not None:
+        chain.append(parent.name)
+        parent = parent.cpu_parent
     if any(n.startswith(_OPTIMIZER_SCOPES) for n in chain) or name.startswith("aten::_foreach_"):
         return "optimizer"
     if any("scaled_dot_product" in n.lower() or "flash_attention" in n.lower() for n in chain):
@@ -72,52 +68,53 @@ def breakdown(events, vocab: int, step_s: float) -> dict[str, float]:
 
 class StepProfiler:
     """Profiles one optimizer step (``step``, 1-based) from the Trainer's ``on_step_begin`` to its
-    ``on_step_end``; ``result()`` is the breakdown, the step's wall time, system time and page faults."""
+    ``on_step_end``, each told the tokens counted so far; then ``result`` holds the breakdown, the step's wall
+    time, tokens, CPU time and page faults."""
 
     def __init__(self, step: int, vocab: int, is_cuda: bool) -> None:
         self.step, self.vocab, self.is_cuda = step, vocab, is_cuda
         self._profiler = None
-        self._result: dict[str, Any] | None = None
+        self.result: dict[str, Any] | None = None
 
-    def begin(self, global_step: int) -> None:
+    def _sync(self) -> None:
+        if self.is_cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def begin(self, global_step: int, tokens: int) -> None:
         if global_step + 1 != self.step:
             return
         import torch
 
-        if self.is_cuda:
-            torch.cuda.synchronize()
+        self._sync()
         self._profiler = torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
         )
         self._profiler.__enter__()
+        self._tokens = tokens
         self._usage = resource.getrusage(resource.RUSAGE_SELF)
         self._t0 = time.perf_counter()
 
     def end(self, global_step: int, tokens: int) -> None:
         if self._profiler is None or global_step != self.step:
             return
-        if self.is_cuda:
-            import torch
-
-            torch.cuda.synchronize()
+        self._sync()
         step_s = time.perf_counter() - self._t0
         usage = resource.getrusage(resource.RUSAGE_SELF)
         self._profiler.__exit__(None, None, None)
         seconds = breakdown(self._profiler.events(), self.vocab, step_s)
         self._profiler = None
-        self._result = {
+        self.result = {
             "step": self.step,
             "step_s": step_s,
-            "tokens": tokens,
+            "tokens": tokens - self._tokens,
             "seconds": seconds,
             "user_cpu_s": usage.ru_utime - self._usage.ru_utime,
             "system_cpu_s": usage.ru_stime - self._usage.ru_stime,
             "minor_page_faults": usage.ru_minflt - self._usage.ru_minflt,
             "note": "self time of every operator on the training thread, under torch.profiler (record_shapes)",
         }
-
-    def result(self) -> dict[str, Any] | None:
-        return self._result
 
 
 def markdown(profiles: dict[str, dict[str, Any]], matmul_rate: float | None, flops_per_token: dict) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import tempfile
 from typing import Any
 
 from . import profile, provenance, report, runner
@@ -21,24 +20,14 @@ def profile_contenders(config: BenchConfig, contenders: list[Contender], failure
                        limit: dict[str, Any] | None, origin: dict[str, Any], path: str) -> dict[str, Any]:  # fmt: skip
     """Profile every contender that did not fail; write ``path``; return what the JSON report keeps."""
     profiled = dataclasses.replace(config, steps=config.warmup_steps + 1, profile=True)
-    profiles: dict[str, dict[str, Any]] = {}
-    flops: dict[str, float | None] = {}
-    shape = None
-    errors: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="fasttrain-profile-") as workdir:
-        for index, contender in enumerate(c for c in contenders if c.name not in failures):
-            print(f"fasttrain bench: profiling {contender.name} (step {profiled.steps})", file=sys.stderr)
-            try:
-                result = runner.run_one(
-                    profiled, contender, workdir, f"{index:02d}-{contender.name}", lambda _: None
-                )
-            except runner.RunFailed as exc:
-                errors[contender.name] = str(exc)
-                continue
-            if result.get("profile"):
-                profiles[contender.name] = result["profile"]
-                flops[contender.name] = result.get("train_flops_per_token")
-                shape = shape or result.get("model_shape")
+    todo = [c for c in contenders if c.name not in failures]
+    names = ", ".join(c.name for c in todo)
+    print(f"fasttrain bench: profiling {names} (step {profiled.steps})", file=sys.stderr)
+    runs, errors = runner.run_all(profiled, todo, 1, progress=False)
+    done = {name: result[0] for name, result in runs.items() if result and result[0].get("profile")}
+    profiles = {name: result["profile"] for name, result in done.items()}
+    flops = {name: result.get("train_flops_per_token") for name, result in done.items()}
+    shape = next((result["model_shape"] for result in done.values() if result.get("model_shape")), None)
     rate = limit["matmul_flops_per_s"] if limit else None
     table = profile.markdown(profiles, rate, flops) if profiles else "(no contender could be profiled)\n"
     lines = [

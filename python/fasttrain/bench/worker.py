@@ -50,16 +50,15 @@ def _tokenizer_for(config: BenchConfig):
         has_files = not local or any(
             os.path.exists(os.path.join(source, name)) for name in ("tokenizer.json", "tokenizer_config.json")
         )
-        tok = None
         if has_files:
             try:
                 tok = AutoTokenizer.from_pretrained(source, local_files_only=local or models.hub_offline())
             except (OSError, ValueError):
                 tok = None  # a hub model without a tokenizer: the built-in one serves
-        if tok is not None:
-            if tok.pad_token is None:
-                tok.pad_token = tok.eos_token
-            return tok
+            if tok is not None:
+                if tok.pad_token is None:
+                    tok.pad_token = tok.eos_token
+                return tok
     path, _ = tokenizer.load_or_train()
     return tokenizer.as_transformers_tokenizer(path)
 
@@ -110,12 +109,11 @@ def _recorder(progress_path: str | None, is_cuda: bool, counter: RealTokenCounte
 
     class StepRecorder(TrainerCallback):
         def __init__(self) -> None:
-            self.start = 0.0
-            self.step_end: list[float] = []
-            # CPU seconds of this process (all threads): unlike wall time, barely moved by other load on the machine
-            self.start_cpu = 0.0
-            self.step_end_cpu: list[float] = []
-            self.tokens_seen: list[int] = []
+            # at the start of training, then at the end of each optimizer step: wall clock, CPU seconds of this
+            # process (all threads: unlike wall time, barely moved by other load on the machine), tokens seen
+            self.times: list[float] = []
+            self.cpu_times: list[float] = []
+            self.tokens_seen: list[int] = [0]
             self.metrics: dict[int, dict[str, float]] = {}  # step -> what the Trainer logged at that step
             self.progress = open(progress_path, "a", encoding="ascii") if progress_path else None  # noqa: SIM115
 
@@ -125,21 +123,20 @@ def _recorder(progress_path: str | None, is_cuda: bool, counter: RealTokenCounte
             return time.perf_counter()
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.start = self._now()
-            self.start_cpu = time.process_time()
+            self.times.append(self._now())
+            self.cpu_times.append(time.process_time())
             if meter is not None:
                 meter.start()
 
         def on_step_begin(self, args, state, control, **kwargs):
             if profiler is not None:
-                self.tokens_before_profile = counter.total()
-                profiler.begin(state.global_step)
+                profiler.begin(state.global_step, counter.total())
 
         def on_step_end(self, args, state, control, **kwargs):
             if profiler is not None:
-                profiler.end(state.global_step, counter.total() - getattr(self, "tokens_before_profile", 0))
-            self.step_end.append(self._now())
-            self.step_end_cpu.append(time.process_time())
+                profiler.end(state.global_step, counter.total())
+            self.times.append(self._now())
+            self.cpu_times.append(time.process_time())
             self.tokens_seen.append(counter.total())
             if meter is not None:
                 meter.step_end()
@@ -251,11 +248,12 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         ref_model = models.build_model(config.model, config.seq_len, config.seed, config.device, dtype)
     set_seed(config.seed)
     setup_s = time.perf_counter() - t0
-    rss_after_setup = _rss_mb()
     if is_cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        allocated_after_setup = torch.cuda.memory_allocated() / 2**20
+        setup_mb = torch.cuda.memory_allocated() / 2**20
+    else:
+        setup_mb = _rss_mb()
 
     counter = RealTokenCounter(model, tok.pad_token_id, grad_only=config.generates)
     from .phases import PhaseMeter
@@ -278,13 +276,11 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
     status = dict(getattr(trainer, "fasttrain_status", None) or {})
     requested = getattr(trainer, "hot_paths", None)  # fasttrain.Trainer: HotPaths after FASTTRAIN_DISABLE
 
-    steps_done = len(recorder.step_end)
-    tokens_expected = _check_token_count(config, examples, recorder.tokens_seen)
+    times, cpu_times, seen = recorder.times, recorder.cpu_times, recorder.tokens_seen
+    steps_done = len(times) - 1
+    tokens_expected = _check_token_count(config, examples, seen[1:])
     warmup = min(config.warmup_steps, max(steps_done - 1, 0))
-    times = [recorder.start, *recorder.step_end]
-    seen = [0, *recorder.tokens_seen]
     timed_s = times[-1] - times[warmup]
-    cpu_times = [recorder.start_cpu, *recorder.step_end_cpu]
     timed_cpu_s = cpu_times[-1] - cpu_times[warmup]
     timed_tokens = seen[-1] - seen[warmup]
     per_step = [recorder.metrics.get(step, {}) for step in range(1, steps_done + 1)]
@@ -324,18 +320,18 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         else None,
     }
     if is_cuda:
-        peak, setup = torch.cuda.max_memory_allocated() / 2**20, allocated_after_setup
+        peak = torch.cuda.max_memory_allocated() / 2**20
         result.update(memory_kind="torch.cuda.max_memory_allocated", gpu_name=torch.cuda.get_device_name())
     else:
-        peak, setup = _peak_rss_mb(), rss_after_setup
+        peak = _peak_rss_mb()
         result["memory_kind"] = "peak RSS (ru_maxrss)"
-    result.update(peak_memory_mb=peak, memory_after_setup_mb=setup, peak_above_setup_mb=peak - setup)
+    result.update(peak_memory_mb=peak, memory_after_setup_mb=setup_mb, peak_above_setup_mb=peak - setup_mb)
     if meter is not None:
         from .phases import phase_results
 
         result.update(phase_results(meter, result, cpu_times, warmup))
     if profiler is not None:
-        result["profile"] = profiler.result()
+        result["profile"] = profiler.result
     return result
 
 
