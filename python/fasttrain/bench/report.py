@@ -7,7 +7,11 @@ import math
 import os
 from typing import Any
 
+from . import provenance
 from .config import BenchConfig
+from .data import LOGNORMAL, describe_lognormal
+from .models import BUILTIN_SHAPES, builtin_summary, describe_summary
+from .rl_runs import STOP_IDS, SYNTHETIC
 
 # What the reference and fasttrain columns are, per --trainer
 _SIDES = {t: (f"TRL {t.upper()}Trainer, plain", f"TRL {t.upper()}Trainer under fasttrain.patch()")
@@ -34,12 +38,11 @@ def _hot_paths(summary: dict[str, Any]) -> str:
     "off: " is said once, before the list, not again inside each reason."""
     status = summary.get("hot_paths") or {}
     if not status:
-        return "none reported" if summary["trainer"] == "fasttrain" else "-"
+        return "none reported"
     on = [name for name, state in status.items() if state == "on"]
     reasons = {name: state.removeprefix("off:").strip() for name, state in status.items() if state != "on"}
     off = [f"{name} ({reason})" if reason and reason != "off" else name for name, reason in reasons.items()]
-    parts = ([", ".join(on) + " on"] if on else []) + (["off: " + ", ".join(off)] if off else [])
-    return "; ".join(parts)
+    return "; ".join(([", ".join(on) + " on"] if on else []) + (["off: " + ", ".join(off)] if off else []))
 
 
 def plural(count: int, noun: str) -> str:
@@ -55,17 +58,18 @@ NO_WARMUP_NOTE = (
 )
 
 
+_ORDER = ("reference", "liger", "fasttrain")  # the table's first columns; the ablations follow
+
+
 def finished_columns(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """Contenders with at least one finished run, in table order."""
-    columns = [(name, data[name]) for name in ("reference", "liger", "fasttrain") if name in data]
-    columns += list(data.get("ablations", {}).items())
-    return columns
+    return [(name, data[name]) for name in _ORDER if name in data] + list(data.get("ablations", {}).items())
 
 
 def _table_columns(data: dict[str, Any]) -> list[tuple[str, dict[str, Any] | None]]:
     """``finished_columns`` plus, in their place, the contenders that failed before finishing a run (``None``)."""
     finished = dict(finished_columns(data))
-    rank = {name: index for index, name in enumerate(["reference", "liger", "fasttrain"])}
+    rank = {name: index for index, name in enumerate(_ORDER)}
     names = sorted(dict.fromkeys([*finished, *data.get("failed", {})]), key=lambda n: rank.get(n, len(rank)))
     return [(name, finished.get(name)) for name in names]
 
@@ -108,16 +112,11 @@ def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the side-by-side table (one column per contender, ratios against the reference).
     A contender that failed before finishing a run has a column of "failed" and its error in the last row."""
     columns = _table_columns(data)
-    comparison = data["comparison"]
-    failed = data.get("failed", {})
-    header = ["", *[name for name, _ in columns]]
+    vs_reference = {name: data["comparison"].get(f"{name}_vs_reference") for name, _ in columns}
 
     def line(label: str, cell) -> list[str]:
         """``cell(summary, comparison with the reference or None)`` per contender; "failed" for a failed one."""
-        return [
-            label,
-            *("failed" if s is None else cell(s, comparison.get(f"{n}_vs_reference")) for n, s in columns),
-        ]
+        return [label, *("failed" if s is None else cell(s, vs_reference[n]) for n, s in columns)]
 
     def figure(label: str, key: str, digits: int = 1, ratio_key: str | None = None) -> list[str]:
         def cell(summary: dict[str, Any], vs: dict[str, Any] | None) -> str:
@@ -146,9 +145,9 @@ def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         line("largest loss diff between own repetitions",
                   lambda s, vs: _sci(s["loss_difference_between_repetitions"])),
     ]  # fmt: skip
-    if failed:
+    if failed := data.get("failed"):
         table.append(["error", *[_first_line(failed[n]) if n in failed else "-" for n, _ in columns]])
-    return header, table
+    return ["", *[name for name, _ in columns]], table
 
 
 def _has_phases(data: dict[str, Any]) -> bool:
@@ -158,10 +157,6 @@ def _has_phases(data: dict[str, Any]) -> bool:
 
 def rl_note(config: BenchConfig) -> str:
     """What one GRPO or RLOO step does: prompts, completions, where they come from."""
-    from .data import describe_lognormal
-    from .models import BUILTIN_SHAPES
-    from .rl_runs import STOP_IDS, SYNTHETIC
-
     prompts = config.batch_size * config.grad_accum // config.num_generations
     if config.completions == SYNTHETIC:
         source = f"synthetic ({describe_lognormal(config.max_completion_length, lower=1)}, no model call)"
@@ -186,16 +181,10 @@ def _mean_completion(config: BenchConfig, summary: dict[str, Any]) -> str:
 
 def metric_rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Per logged metric, the largest per-step difference of each contender from the reference (abs / rel)."""
-    differences = {
-        name: data["comparison"][f"{name}_vs_reference"].get("metric_differences", {})
-        for name, _ in finished_columns(data)
-        if f"{name}_vs_reference" in data["comparison"]
-    }
+    vs = {name: data["comparison"].get(f"{name}_vs_reference") for name, _ in finished_columns(data)}
+    differences = {name: c.get("metric_differences", {}) for name, c in vs.items() if c is not None}
     metrics = sorted({metric for per_metric in differences.values() for metric in per_metric})
-    table = [
-        [metric, *[_abs_rel(per_metric.get(metric)) for per_metric in differences.values()]]
-        for metric in metrics
-    ]
+    table = [[metric, *[_abs_rel(d.get(metric)) for d in differences.values()]] for metric in metrics]
     return ["metric", *differences], table
 
 
@@ -244,7 +233,7 @@ def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
         grouped = "grouped by length" if config.group_by_length else "not grouped by length"
         shape = f"{plural(config.steps, 'step')} x batch {config.batch_size} x grad-accum {config.grad_accum}, {lengths}, {grouped}"
     excluded = reference["warmup_steps_excluded"]
-    limit = data.get("matmul_limit")
+    m = data.get("matmul_limit")  # measured before the runs (--trainer transformers only)
     return [
         f"reference: {reference_side}; fasttrain: {fasttrain_side}",
         f"model {model_note(config.model, reference.get('model_shape'))}, dataset {config.dataset}, "
@@ -254,11 +243,7 @@ def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
         f"{plural(reference['repetitions'], 'repetition')} per contender, medians; {warmup_note(excluded)}; "
         f"memory: {reference['memory_kind']}",
         *([f"WARNING: {NO_WARMUP_NOTE}"] if excluded == 0 else []),
-        *[
-            f"matmul limit: {m['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s ({m['measured']})"
-            for m in [limit]
-            if m
-        ],
+        *([f"matmul limit: {m['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s ({m['measured']})"] if m else []),
         *_load_note(data),
         *_progress_note(data),
         "how each figure is measured: docs/method.md",
@@ -275,16 +260,12 @@ def warmup_note(excluded: int) -> str:
 def model_note(model: str, shape: dict[str, Any] | None = None) -> str:
     """'tiny (hidden 32, 1 layer, ...)': the shape the run recorded, else a built-in's own; a name alone when
     neither is known (a model that failed to load)."""
-    from .models import BUILTIN_SHAPES, builtin_summary, describe_summary
-
     if shape is None and model in BUILTIN_SHAPES:
         shape = builtin_summary(model)
     return f"{model} ({describe_summary(shape)})" if shape else model
 
 
 def _lengths_note(config: BenchConfig, what: str) -> str:
-    from .data import LOGNORMAL, describe_lognormal
-
     if config.lengths == LOGNORMAL:
         return f"{what}: {describe_lognormal(config.seq_len)}"
     return f"{what} up to {config.seq_len} tokens (the data's natural lengths)"
@@ -360,33 +341,14 @@ def text_table(config: BenchConfig, data: dict[str, Any]) -> str:
     return "\n".join([*lines, "", *status_lines(data), *describe(config, data)])
 
 
-def markdown(config: BenchConfig, data: dict[str, Any], title: str = "fasttrain bench") -> str:
-    from .provenance import markdown as provenance_lines
-
-    out = [
-        f"# {title}",
-        "",
-        provenance_lines(data["provenance"]),
-        f"- total wall time: {data['wall_s']:.0f} s",
-        "",
-    ]
-    out += _markdown_table(*rows(data))
+def markdown(config: BenchConfig, data: dict[str, Any]) -> str:
+    out = ["# fasttrain bench", "", provenance.markdown(data["provenance"])]
+    out += [f"- total wall time: {data['wall_s']:.0f} s", "", *_markdown_table(*rows(data))]
     out += [*[f"- {line}" for line in [*status_lines(data), *describe(config, data)]], ""]
     for name, (header, table) in ((SHARES_TITLE, share_rows(data)), (METRICS_TITLE, metric_rows(data))):
         if table:
             out += [f"## {name}", "", *_markdown_table(header, table)]
     return "\n".join(out)
-
-
-def _jsonable(value: Any) -> Any:
-    """NaN is not JSON: write null instead."""
-    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
-        return None
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_jsonable(v) for v in value]
-    return value
 
 
 def write_text(path: str, text: str) -> None:
@@ -398,7 +360,9 @@ def write_text(path: str, text: str) -> None:
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:
-    write_text(path, json.dumps(_jsonable(data), indent=2, allow_nan=False) + "\n")
+    """NaN is not JSON: null instead (dumped, then read back with NaN and infinities as None)."""
+    strict = json.loads(json.dumps(data), parse_constant=lambda _: None)
+    write_text(path, json.dumps(strict, indent=2, allow_nan=False) + "\n")
 
 
 def check_plot_available() -> None:
@@ -421,18 +385,13 @@ def plot(path: str, config: BenchConfig, data: dict[str, Any]) -> None:
 
     columns = finished_columns(data)
     names = [name for name, _ in columns]
-    fig, (ax_loss, ax_tps, ax_mem) = plt.subplots(
-        1, 3, figsize=(15, 4.5), gridspec_kw={"width_ratios": [2, 1, 1]}
-    )
+    fig, (ax_loss, ax_tps, ax_mem) = plt.subplots(1, 3, figsize=(15, 4.5), width_ratios=[2, 1, 1])
     colors = ["0.6" if name == "reference" else f"C{i}" for i, name in enumerate(names)]
     for (name, summary), color in zip(columns, colors, strict=True):
         steps_losses = [(i + 1, loss) for i, loss in enumerate(summary["losses"]) if loss is not None]
         # the reference wide and pale underneath, so that matching curves stay visible
-        style = (
-            {"linewidth": 4, "alpha": 0.6, "zorder": 1}
-            if name == "reference"
-            else {"marker": ".", "zorder": 2}
-        )
+        wide = name == "reference"
+        style = {"linewidth": 4, "alpha": 0.6, "zorder": 1} if wide else {"marker": ".", "zorder": 2}
         ax_loss.plot(*zip(*steps_losses, strict=True), color=color, label=name, **style)
     ax_loss.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_loss.set(xlabel="optimizer step", ylabel="training loss", title="loss per step")
