@@ -52,11 +52,6 @@ def largest_metric_difference(differences: dict[str, dict[str, Any]]) -> dict[st
     return {"metric": name, "max_abs": compared[name]["max_abs"], "max_rel": compared[name]["max_rel"]}
 
 
-def _metrics(run: dict[str, Any]) -> dict[str, list]:
-    """Per-step metrics of one run (results written before they were recorded carry loss and grad_norm only)."""
-    return run.get("metrics") or {"loss": run["losses"], "grad_norm": run.get("grad_norms") or []}
-
-
 # GRPO and RLOO (bench/phases.py): the figures of each phase, medians over repetitions like the others; a run
 # without them (every other trainer) leaves them out
 PHASE_KEYS = ("generation_time_s", "generation_tokens_per_s", "generation_peak_memory_mb", "training_phase_time_s",
@@ -77,7 +72,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         **{key: _median([r.get(key, float("nan")) for r in runs]) for key in _MEDIAN_KEYS},
         "memory_kind": first["memory_kind"],
         "losses": first["losses"],
-        "metrics": _metrics(first),
+        # results written before every metric was recorded carry loss and grad_norm only
+        "metrics": first.get("metrics")
+        or {"loss": first["losses"], "grad_norm": first.get("grad_norms") or []},
         "final_loss": first["final_loss"],
         "hot_paths": first["hot_paths"],
         "warmup_steps_excluded": first["warmup_steps_excluded"],
@@ -89,11 +86,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             (loss_difference(first["losses"], r["losses"])["max_abs"] or 0.0 for r in runs[1:]), default=None
         ),
         "runs": runs,
+        **{key: _median([r.get(key) for r in runs]) for key in PHASE_KEYS if key in first},
+        **{key: first[key] for key in ("phases", "generated_tokens_per_step", "gpu_name") if key in first},
     }
-    summary.update({key: _median([r.get(key) for r in runs]) for key in PHASE_KEYS if key in first})
-    summary.update(
-        {key: first[key] for key in ("phases", "generated_tokens_per_step", "gpu_name") if key in first}
-    )
     if first.get("train_flops_per_token"):
         summary["train_flops_per_token"] = first["train_flops_per_token"]
     return summary
@@ -125,19 +120,15 @@ def build(results: dict[str, list[dict[str, Any]]], failures: dict[str, str] | N
     "failed": {name: error}}``. A contender without a finished run has no entry (a failed one is in "failed");
     without a finished reference there is nothing to compare against and "comparison" is empty."""
     summaries = {name: summarize(runs) for name, runs in results.items() if runs}
-    out: dict[str, Any] = {}
-    for name in (REFERENCE, FASTTRAIN, LIGER):
-        if name in summaries:
-            out[name] = summaries.pop(name)
-    if summaries:
+    out: dict[str, Any] = {
+        name: summaries.pop(name) for name in (REFERENCE, FASTTRAIN, LIGER) if name in summaries
+    }
+    if summaries:  # what is left: the ablations
         out["ablations"] = summaries
     comparison: dict[str, Any] = {}
-    reference = out.get(REFERENCE)
-    others = {name: out[name] for name in (FASTTRAIN, LIGER) if name in out} | out.get("ablations", {})
-    if reference is not None:
-        comparison.update(
-            {f"{name}_vs_reference": compare(reference, other) for name, other in others.items()}
-        )
+    if REFERENCE in out:
+        others = {name: out[name] for name in (FASTTRAIN, LIGER) if name in out} | summaries
+        comparison.update({f"{name}_vs_reference": compare(out[REFERENCE], o) for name, o in others.items()})
     if FASTTRAIN in out and LIGER in out:
         comparison["fasttrain_vs_liger"] = compare(out[LIGER], out[FASTTRAIN])
     out["comparison"] = comparison
@@ -151,14 +142,10 @@ ABLATION_PREFIX = f"{FASTTRAIN}-no-"
 
 
 def shares(fasttrain: dict[str, Any], ablations: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each hot path's share: fasttrain with every path on against fasttrain with that one path off (the
-    ablation ``fasttrain-no-<path>``), so ``speedup`` 1.6 means the path makes fasttrain 1.6x faster and
-    ``peak_memory_ratio`` below 1 that it lowers the peak. ``all`` is every path at once."""
-    out: dict[str, dict[str, Any]] = {}
-    for name, without in ablations.items():
-        if not name.startswith(ABLATION_PREFIX):
-            continue
-        out[name[len(ABLATION_PREFIX) :]] = {
+    """Each hot path's share (docs/method.md): fasttrain with every path on over ``fasttrain-no-<path>``, the
+    ablation with that one path off (``all``: every path off at once)."""
+    return {
+        name.removeprefix(ABLATION_PREFIX): {
             "tokens_per_s_without": without["tokens_per_s"],
             "speedup": _ratio(fasttrain, without, "tokens_per_s"),
             "tokens_per_cpu_s_speedup": _ratio(fasttrain, without, "tokens_per_cpu_s"),
@@ -166,4 +153,6 @@ def shares(fasttrain: dict[str, Any], ablations: dict[str, dict[str, Any]]) -> d
             "peak_memory_ratio": _ratio(fasttrain, without, "peak_memory_mb"),
             "peak_above_setup_ratio": _ratio(fasttrain, without, "peak_above_setup_mb"),
         }
-    return out
+        for name, without in ablations.items()
+        if name.startswith(ABLATION_PREFIX)
+    }
