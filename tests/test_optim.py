@@ -466,34 +466,6 @@ def test_sparse_gradients_refused(state_dtype):
         opt.defer_clip_grad_norm_(1.0)
 
 
-@pytest.mark.parametrize(
-    ("saved", "loading"),
-    [("8bit", None), (None, "8bit"), ("8bit", "float32"), ("float32", "8bit"), ("torch", "8bit")],
-)
-def test_state_dict_from_another_mode_refused(saved, loading):
-    ps = make_params([(5000,), (7,)])
-    if saved == "torch":
-        first = torch.optim.AdamW([{"params": ps[:1]}, {"params": ps[1:]}])
-    else:
-        first = FusedAdamW([{"params": ps[:1]}, {"params": ps[1:]}], backend="torch", state_dtype=saved)
-    set_grads([ps], 0)
-    first.step()
-    second = FusedAdamW([{"params": ps[:1]}, {"params": ps[1:]}], backend="torch", state_dtype=loading)
-    with pytest.raises(ValueError, match=r"param group 0.*(state_dtype|8 bits)") as err:
-        second.load_state_dict(first.state_dict())
-    assert "construct FusedAdamW" in str(err.value)
-
-
-def test_state_dict_with_other_8bit_threshold_refused():
-    ps = make_params([(5000,)])
-    first = FusedAdamW(ps, backend="torch", state_dtype="8bit")
-    set_grads([ps], 0)
-    first.step()
-    second = FusedAdamW(ps, backend="torch", state_dtype="8bit", min_8bit_size=10_000)
-    with pytest.raises(ValueError, match="param group 0, parameter 0: the state dict holds 8-bit moments"):
-        second.load_state_dict(first.state_dict())
-
-
 @pytest.mark.parametrize("saved_by", ["torch", "FusedAdamW"])
 def test_torch_state_dict_loads_into_float32_mode(saved_by):
     # FusedAdamW's default state is torch's (moments in the parameter's dtype), and its state dict says so as

@@ -8,7 +8,9 @@ Three launches of tests/_fsdp_8bit_worker.py, in order (each a list of jobs, see
    the hybrid mesh (2 -> 4, full -> hybrid); checkpoints saved on both meshes.
 3. 2 processes: launch 2's checkpoints loaded on a full 2-way mesh (4 -> 2, hybrid -> full), the hybrid one with
    the CPU offload policy; each 4-process checkpoint loaded with every other state_dtype (full precision into
-   full precision, cast; 8-bit to or from full precision refused, naming the key the checkpoint lacks).
+   full precision, cast; 8-bit to or from full precision refused, naming the key the checkpoint lacks); and each
+   4-process state, gathered, loaded into one process with every state_dtype (8-bit row blocks kept, fp32 moments
+   of the 1-D parameter quantized, 8-bit and full precision converted into one another).
 
 A loaded state must be the saved one value for value, sharded like its parameter on the new mesh, and the steps
 after it must track the uninterrupted unsharded run within the bound of the state type.
@@ -65,6 +67,7 @@ def test_fsdp2_8bit_updates_and_checkpoints_that_reshard(tmp_path):
             {"do": "load", "mesh": "full", "dir": ckpt["full4"]},
             {"do": "load", "mesh": "offload", "dir": ckpt["hybrid4"]},
             {"do": "cross_modes", "mesh": "full", "dir": ckpt["full4"]},
+            {"do": "one_process", "dir": ckpt["full4"]},
         ],
     )
 

@@ -8,6 +8,8 @@ Parameters with rows of one element (1-D parameters: norms and biases, however l
 moments when they are DTensors (like the parameter): a block of one element would cost more than fp32, and
 256-element blocks of a 1-D tensor would straddle shards.
 
+A saved state of the other layout is converted on load (``conform``).
+
 Plus ``step``: an fp32 scalar tensor on the parameter's device, as torch's fused AdamW keeps it.
 """
 
@@ -85,14 +87,20 @@ def init(state: dict[str, Any], group: dict[str, Any], param: torch.Tensor, wher
     return lay
 
 
-def check_saved(saved: dict[str, Any], group: dict[str, Any], param: torch.Tensor, where: str) -> None:
-    """A ValueError unless a saved per-parameter state has the layout this optimizer gives ``param``."""
+def conform(saved: dict[str, Any], group: dict[str, Any], param: torch.Tensor, where: str) -> dict[str, Any]:
+    """A saved per-parameter state in the layout this optimizer gives ``param``: as it is when it has that layout
+    (checked; a ValueError says what does not fit), else converted: full-precision moments quantized into 8-bit
+    blocks, 8-bit moments dequantized (``step`` kept). A state saved under another ``state_dtype`` or
+    ``min_8bit_size``, or gathered from FSDP2 shards (where 1-D parameters keep fp32 moments), loads this way."""
     if not saved:
-        return
+        return saved
     lay = layout(group, param)
-    if not lay.holds(saved):
-        raise ValueError(f"{where}: {lay.other_saved(group, param)}")
-    lay.check_saved(saved, param, where)
+    if lay.holds(saved):
+        lay.check_saved(saved, param, where)
+        return saved
+    source = Blockwise8() if Blockwise8.holds(saved) else FullPrecision(torch.float32)
+    converted = lay.adopt(source.saved_moments(saved, param, where), param)
+    return {**({"step": saved["step"]} if "step" in saved else {}), **converted}
 
 
 def restore(state: dict[str, Any], saved: dict[str, Any], param: torch.Tensor, lay: Layout) -> None:

@@ -222,30 +222,35 @@ class FusedAdamW(torch.optim.Optimizer):
 
         Full-precision moments (torch's AdamW's, FusedAdamW's with ``state_dtype`` None or ``torch.float32``) load
         into ``state_dtype=None`` or ``torch.float32``, cast as torch's loader casts them (a sharded load casts
-        them the same way); 8-bit moments load only into 8-bit moments, and the other way round, or a ValueError
-        says which. This optimizer's own settings (backend, state_dtype, stochastic rounding) stay the
-        constructor's; lr, betas, eps, weight_decay, amsgrad and maximize come from the state dict, as in torch.
+        them the same way). Moments of the other kind are converted, logged once: full precision quantized into
+        8-bit blocks, 8-bit moments dequantized (another ``state_dtype`` or ``min_8bit_size``, or a state gathered
+        from FSDP2 shards, where 1-D parameters keep fp32 moments). A sharded load through
+        torch.distributed.checkpoint reads the keys this optimizer's own state holds: there a checkpoint of the
+        other kind is refused by torch, naming the key it lacks. This optimizer's own settings (backend,
+        state_dtype, stochastic rounding) stay the constructor's; lr, betas, eps, weight_decay, amsgrad and
+        maximize come from the state dict, as in torch.
         """
         saved_groups = [dict(g) for g in state_dict["param_groups"]]
-        saved_state = state_dict["state"]
+        saved_state = dict(state_dict["state"])
+        converted = 0
         for i, (saved, ours) in enumerate(zip(saved_groups, self.param_groups, strict=False)):
             where = f"FusedAdamW param group {i}"
-            mode = ours["state_dtype"]
-            # a group saved without state_dtype (torch's, or full precision) is checked parameter by parameter below
-            saved_mode = _state.normalize_state_dtype(saved.get("state_dtype"), where)
-            if "state_dtype" in saved and "8bit" in (saved_mode, mode) and saved_mode != mode:
-                raise ValueError(
-                    f"{where}: the state dict was saved with state_dtype={saved_mode!r}, this optimizer "
-                    f"has state_dtype={mode!r}: construct FusedAdamW(..., state_dtype={saved_mode!r}) "
-                    "to resume it (8-bit moments are not converted to or from full precision)"
-                )
+            _state.normalize_state_dtype(saved.get("state_dtype"), where)  # a ValueError for an unknown one
             for key in _OWN_KEYS:
                 saved[key] = ours[key]
             for param_id, param in zip(saved["params"], ours["params"], strict=False):
-                _state.check_saved(
-                    saved_state.get(param_id, {}), ours, param, f"{where}, parameter {param_id}"
-                )
-        super().load_state_dict({**state_dict, "param_groups": saved_groups})
+                before = saved_state.get(param_id, {})
+                after = _state.conform(before, ours, param, f"{where}, parameter {param_id}")
+                if after is not before:
+                    saved_state[param_id] = after
+                    converted += 1
+        if converted:
+            log_once(
+                "fused_adamw.load_converted",
+                f"FusedAdamW.load_state_dict: the moments of {converted} parameter(s) were saved in another layout "
+                "(8-bit or full precision) than this optimizer keeps: converted on load (quantized or dequantized)",
+            )
+        super().load_state_dict({**state_dict, "param_groups": saved_groups, "state": saved_state})
         id_map = dict(
             zip(
                 chain.from_iterable(g["params"] for g in saved_groups),

@@ -1,8 +1,9 @@
 """FusedAdamW's state layouts: one class per way of keeping the AdamW moments of a parameter.
 
 A layout owns everything that differs between them: the tensors a state holds and creating them, whether a saved
-state is of this layout and putting it back, and how a step reads and writes them (which Triton kernel, or the
-working copies of torch's kernel). ``_state.layout`` picks one per parameter from its group's ``state_dtype``;
+state is of this layout and putting it back, reading a saved state's moments and adopting another layout's (a
+load across layouts), and how a step reads and writes them (which Triton kernel, or the working copies of torch's
+kernel). ``_state.layout`` picks one per parameter from its group's ``state_dtype``;
 nothing else asks which layout a state has. A new layout is one class here and its case in ``_state.layout``.
 
 - ``FullPrecision(dtype)``: ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``) of the parameter's shape in that
@@ -47,6 +48,22 @@ def moment_names(amsgrad: bool) -> tuple[str, ...]:
     return MOMENTS if amsgrad else MOMENTS[:2]
 
 
+def _check_like(t: Any, param: torch.Tensor, key: str, where: str) -> None:
+    """A ValueError unless ``t`` is a tensor of ``param``'s shape, a DTensor placed like it for a DTensor."""
+    sharded = is_dtensor(param)
+    if not (
+        isinstance(t, torch.Tensor)
+        and tuple(t.shape) == tuple(param.shape)
+        and is_dtensor(t) == sharded
+        and (not sharded or tuple(t.placements) == tuple(param.placements))
+    ):
+        like = f"a DTensor placed {tuple(param.placements)}" if sharded else "a plain tensor"
+        raise ValueError(
+            f"{where}: the state dict's {key} is {_describe(t)}; converting it needs {like} of the parameter's "
+            f"shape {tuple(param.shape)}"
+        )
+
+
 def _describe(t: Any) -> str:
     if not isinstance(t, torch.Tensor):
         return repr(type(t).__name__)
@@ -77,13 +94,25 @@ class FullPrecision:
     def check_saved(self, saved: dict[str, Any], param: torch.Tensor, where: str) -> None:
         """torch's loader casts full-precision moments to their dtype: any shape it accepts loads."""
 
-    def other_saved(self, group: dict[str, Any], param: torch.Tensor) -> str:
-        """Why a saved state of the other layout does not load into this one."""
-        mode = group["state_dtype"]
-        keeps = "in full precision" if mode == "8bit" else f"with state_dtype={mode!r}"
+    def saved_moments(
+        self, saved: dict[str, Any], param: torch.Tensor, where: str
+    ) -> dict[str, torch.Tensor]:
+        """Each saved moment as fp32 values of ``param``'s local shape, to be converted into the other layout;
+        a ValueError for a moment that is not a tensor like ``param``."""
+        out = {}
+        for name in MOMENTS:
+            if name in saved:
+                _check_like(saved[name], param, name, where)
+                out[name] = local(saved[name]).float()
+        return out
+
+    def adopt(self, moments: dict[str, torch.Tensor], param: torch.Tensor) -> dict[str, Any]:
+        """The state of this layout holding ``moments`` (``saved_moments``' values)."""
+        cast = {name: m.to(self.dtype) for name, m in moments.items()}
         return (
-            f"the state dict holds 8-bit moments for a parameter of {local(param).numel()} elements, this "
-            f"optimizer keeps them {keeps}: construct FusedAdamW with the state_dtype (and min_8bit_size) that saved it"
+            {name: like_param(m, param, param.shape) for name, m in cast.items()}
+            if is_dtensor(param)
+            else cast
         )
 
     def stored_dtype(self, key: str) -> torch.dtype:
@@ -191,12 +220,28 @@ class Blockwise8:
                     f"{_describe(absmax)}) are not 8-bit blocks of a parameter of shape {tuple(param.shape)}"
                 )
 
-    def other_saved(self, group: dict[str, Any], param: torch.Tensor) -> str:
-        return (
-            "the state dict holds full-precision moments for a parameter this optimizer keeps in 8 bits "
-            f"(state_dtype='8bit', min_8bit_size={group['min_8bit_size']}): construct FusedAdamW with the "
-            "state_dtype (and min_8bit_size) that saved it"
-        )
+    def saved_moments(
+        self, saved: dict[str, Any], param: torch.Tensor, where: str
+    ) -> dict[str, torch.Tensor]:
+        """Each saved moment dequantized: fp32 values of ``param``'s local shape (a shard's rows hold whole row
+        blocks, so each rank dequantizes its own)."""
+        self.check_saved(saved, param, where)
+        return {
+            name: blockwise8.dequantize(
+                local(saved[f"{name}_codes"]), local(saved[f"{name}_absmax"]), SIGNED[name]
+            )
+            for name in MOMENTS
+            if f"{name}_codes" in saved
+        }
+
+    def adopt(self, moments: dict[str, torch.Tensor], param: torch.Tensor) -> dict[str, Any]:
+        """The state of this layout holding ``moments`` quantized (the blocks ``new_moment`` lays out)."""
+        state: dict[str, Any] = {}
+        for name, m in moments.items():
+            self.new_moment(state, name, param)
+            codes, absmax = state[f"{name}_codes"], state[f"{name}_absmax"]
+            blockwise8.quantize_(m, local(codes), local(absmax), SIGNED[name])
+        return state
 
     def stored_dtype(self, key: str) -> torch.dtype:
         return torch.uint8 if key.endswith("_codes") else torch.float32
