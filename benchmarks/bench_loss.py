@@ -4,8 +4,9 @@ Cases (``--cases``), each implementation's loss + backward, the first implementa
 
 - ``loss``: ``--tokens`` x ``--hidden`` x vocab 151,936, every 5th label ignored. ``reference``: ``logits = hidden @
   weight.T`` then transformers' ``ForCausalLMLoss`` path (``.float()`` + cross-entropy); ``fasttrain``:
-  ``fasttrain.fused_linear_cross_entropy``; ``torch_linear_ce``: torch's own ``F.linear_cross_entropy`` (torch 2.15+);
-  on CUDA also ``torch_compile`` (the reference under ``torch.compile``), ``liger`` (Liger's fused-linear
+  ``fasttrain.fused_linear_cross_entropy``; ``torch_linear_ce``: torch's own ``F.linear_cross_entropy`` (torch 2.15+)
+  on its default (materialising) path, ``torch_chunked_ce`` the same with ``options=LinearCrossEntropyOptions()``
+  (its chunked path, which never holds the whole logits); on CUDA also ``torch_compile`` (the reference under ``torch.compile``), ``liger`` (Liger's fused-linear
   cross-entropy) and ``cce`` (cut-cross-entropy), each where it imports.
 - ``model``: forward + backward of a Qwen3-shaped model (hidden 256, 2 layers, vocab 151,936) on 4 x tokens/4, the
   unpatched transformers model against the same after ``fasttrain.loss.model_patch.enable_fused_loss``.
@@ -42,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import _common
@@ -50,7 +52,15 @@ from fasttrain.bench import provenance, roofline
 VOCAB = 151_936
 HEAD_WIDTH = 1024  # Qwen3-0.6B's hidden size
 IMPLS = {
-    "loss": ("reference", "fasttrain", "torch_linear_ce", "torch_compile", "liger", "cce"),
+    "loss": (
+        "reference",
+        "fasttrain",
+        "torch_linear_ce",
+        "torch_chunked_ce",
+        "torch_compile",
+        "liger",
+        "cce",
+    ),
     "model": ("reference", "fasttrain"),
     "head": ("gemms", "reference", "fasttrain"),
     "trl_sft": ("plain", "trl", "fasttrain", "liger"),
@@ -81,10 +91,12 @@ def _loss_fn(impl: str):
         from fasttrain import fused_linear_cross_entropy
 
         return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend=BACKEND)
-    if impl == "torch_linear_ce":
-        if not hasattr(torch.nn.functional, "linear_cross_entropy"):
+    if impl in ("torch_linear_ce", "torch_chunked_ce"):
+        options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+        if options is None:  # a torch without F.linear_cross_entropy and its options (2.15 has both)
             raise ImportError(f"torch {torch.__version__} has no F.linear_cross_entropy")
-        return lambda h, w, y: torch.nn.functional.linear_cross_entropy(h, w, y, ignore_index=-100)
+        chunked = options() if impl == "torch_chunked_ce" else None
+        return partial(torch.nn.functional.linear_cross_entropy, ignore_index=-100, options=chunked)
     if impl == "torch_compile":
         return torch.compile(_reference, dynamic=True)
     if impl == "liger":
