@@ -1,0 +1,209 @@
+"""``step_in_backward``: each parameter's ``FusedAdamW`` update runs inside ``backward()``, as soon as its gradient
+is final, and the gradient is freed at once.
+
+A model's gradients then never all exist at the same time: at most the ones autograd is still accumulating (the
+gradients of one layer or so) instead of one per parameter, which is the gradient memory of training (torch's
+"optimizer step in backward" recipe, ``Tensor.register_post_accumulate_grad_hook``).
+
+::
+
+    handle = step_in_backward(optimizer)
+    for batch in data:
+        loss = model(**batch).loss
+        loss.backward()          # every parameter with a gradient is stepped here, its gradient freed
+        optimizer.step()         # harmless: no parameter has a gradient left, nothing is stepped twice
+        optimizer.zero_grad()    # harmless
+        scheduler.step()         # changes group["lr"]: the next backward's updates read it
+        print(handle.grad_norm()); handle.reset_grad_norm()
+    handle.remove()
+
+Each update is the one ``optimizer.step()`` would have made for that parameter, bit for bit: the hook calls the
+optimizer's own per-parameter machinery (``_state.init``, ``_uses_triton``, ``_triton_step`` / ``_torch_step``) on a
+one-parameter subset of its group, with the group's hyperparameters as they are when the hook runs (a scheduler
+that changed ``group["lr"]`` since the last backward is honoured), the parameter's own step counter, and the
+stochastic-rounding salt ``step()`` gives it (its index in the optimizer, counted over all groups). Every
+per-element operation of both kernels (and the 8-bit blocks, which never span two parameters) depends only on
+that parameter's tensors, so stepping one parameter at a time equals stepping them together.
+
+``optimizer.step()`` after the backward is a no-op for the parameters already stepped because their gradient is
+``None`` (``step()`` skips parameters without one); a parameter that got a gradient some other way (set by hand)
+is stepped by ``step()`` as usual, once. So the usual loop needs no change.
+
+Not supported, refused with a ValueError naming the reason: a clip armed by ``defer_clip_grad_norm_`` (a global
+norm needs every gradient before the first update: clip per parameter, or step after backward), sparse gradients,
+a parameter that is not a leaf, DTensor (FSDP2) parameters (their sharded gradients are set after FSDP2's
+reduce-scatter, not by autograd's accumulation). Not detectable, so documented: under DDP the hook would fire before
+the gradient's all-reduce (don't); ``torch.amp.GradScaler`` (its ``step`` expects gradients to unscale: use bf16,
+which needs no scaler); gradient accumulation over several backwards (each backward steps). Frozen parameters
+(``requires_grad=False``) get no hook, as they get no gradient. The optimizer's step hooks
+(``register_step_pre_hook`` / ``register_step_post_hook``) are not run by the updates made in backward.
+
+``handle.grad_norm()`` is the 2-norm of every gradient stepped since ``handle.reset_grad_norm()`` (or since the
+handle was made): the squares are summed in float64 on the gradients' device, without a host sync.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from . import _state
+from ._tensors import is_dtensor, local
+from .adamw import FusedAdamW
+
+# the optimizers with hooks registered: a second registration would find every gradient already freed
+_ACTIVE: weakref.WeakKeyDictionary[FusedAdamW, StepInBackward] = weakref.WeakKeyDictionary()
+
+
+def _refuse_clip(optimizer: FusedAdamW) -> None:
+    if getattr(optimizer, "_clip_coef", None) is not None:
+        raise ValueError(
+            "step_in_backward: a clip armed by defer_clip_grad_norm_ is pending; the clip coefficient needs the "
+            "norm of every gradient before the first parameter is stepped, which a step inside backward cannot "
+            "wait for: don't arm a deferred clip with step_in_backward (or step after backward instead)"
+        )
+
+
+class StepInBackward:
+    """The hooks ``step_in_backward`` registered on the optimizer's parameters, and the running gradient norm."""
+
+    def __init__(self, optimizer: FusedAdamW, params: list[torch.Tensor], track_grad_norm: bool) -> None:
+        self._optimizer = optimizer
+        self._track = track_grad_norm
+        self._lock = threading.Lock()  # autograd may run the hooks of CUDA devices on their own threads
+        self._index: dict[int, tuple[int, int, int]] = {}  # id(param) -> (group, index in group, salt)
+        self._signature: tuple[int, ...] = ()
+        self._squares: dict[torch.device, torch.Tensor] = {}
+        self.stepped = 0  # parameter updates made in backward since reset_grad_norm()
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+
+    # -- the public side ----------------------------------------------------------------------------------------
+
+    def remove(self) -> None:
+        """Remove every hook: later backwards leave the gradients for ``optimizer.step()``."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if _ACTIVE.get(self._optimizer) is self:
+            del _ACTIVE[self._optimizer]
+
+    def __enter__(self) -> StepInBackward:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def reset_grad_norm(self) -> None:
+        """Start a new sum of squares (call once per optimizer step, after reading ``grad_norm()``)."""
+        with self._lock:
+            self._squares = {}
+            self.stepped = 0
+
+    def grad_norm(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The 2-norm of the gradients stepped since ``reset_grad_norm()``: a 0-d tensor in ``dtype`` on the first
+        gradient's device (on CPU when none was stepped), as ``torch.nn.utils.get_total_norm`` of those gradients
+        (summed in float64 here, so within one rounding of ``dtype``)."""
+        with self._lock:
+            squares = list(self._squares.values())
+        if not squares:
+            return torch.zeros((), dtype=dtype)
+        device = squares[0].device
+        total = torch.stack([s.to(device) for s in squares]).sum()
+        return total.sqrt().to(dtype)
+
+    @property
+    def optimizer(self) -> FusedAdamW:
+        return self._optimizer
+
+    # -- the hook -------------------------------------------------------------------------------------------------
+
+    def _where(self, p: torch.Tensor) -> tuple[int, int, int] | None:
+        """(group index, index in the group, stochastic-rounding salt) of ``p`` as ``step()`` counts them now."""
+        groups = self._optimizer.param_groups
+        signature = tuple(len(g["params"]) for g in groups)
+        found = self._index.get(id(p))
+        if signature == self._signature and found is not None and groups[found[0]]["params"][found[1]] is p:
+            return found
+        self._index, self._signature, salt_base = {}, signature, 0
+        for gi, group in enumerate(groups):
+            for j, q in enumerate(group["params"]):
+                self._index[id(q)] = (gi, j, salt_base + j)
+            salt_base += len(group["params"])
+        found = self._index.get(id(p))
+        return found if found is not None and groups[found[0]]["params"][found[1]] is p else None
+
+    @torch.no_grad()
+    def _hook(self, p: torch.Tensor) -> None:
+        if p.grad is None:
+            return
+        opt = self._optimizer
+        with self._lock:
+            _refuse_clip(opt)
+            where = self._where(p)
+            if where is None:  # no longer in the optimizer: leave its gradient alone
+                return
+            gi, j, salt = where
+            group = opt.param_groups[gi]
+            opt._check_dense(p, gi, j)
+            grad = local(p.grad)
+            if self._track:
+                sq = torch.linalg.vector_norm(grad, 2, dtype=torch.float64).square()
+                prev = self._squares.get(sq.device)
+                self._squares[sq.device] = sq if prev is None else prev + sq
+            # step()'s loop body, for this one parameter (FusedAdamW.step)
+            lay = _state.init(opt.state[p], group, p, f"FusedAdamW param group {gi}, parameter {j}")
+            entry = (p, salt, lay, opt._uses_triton(group, p, lay))
+            device, p_dtype = local(p).device, local(p).dtype
+            if entry[3]:
+                opt._triton_step(group, [entry], device, p_dtype, grad.dtype, lay, None, None, None)
+            else:
+                opt._torch_step(group, [entry], device, lay, None, None, None)
+            self.stepped += 1
+        p.grad = None
+
+
+def step_in_backward(optimizer: FusedAdamW, *, track_grad_norm: bool = True) -> StepInBackward:
+    """Step each parameter of ``optimizer`` inside ``backward()`` as soon as its gradient is final, and free the
+    gradient (module doc). Returns the handle: ``remove()``, ``grad_norm()``, ``reset_grad_norm()``.
+
+    ``track_grad_norm=False`` skips the per-gradient norm (one extra read of each gradient).
+    """
+    if not isinstance(optimizer, FusedAdamW):
+        raise TypeError(f"step_in_backward: needs a fasttrain.FusedAdamW, got {type(optimizer).__name__}")
+    if optimizer in _ACTIVE:
+        raise ValueError(
+            "step_in_backward: this optimizer already steps in backward (remove() the first handle before "
+            "registering again)"
+        )
+    _refuse_clip(optimizer)
+    params = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            where = f"step_in_backward: param group {gi}, parameter {j}"
+            if is_dtensor(p):
+                raise ValueError(
+                    f"{where} is a DTensor (FSDP2): its sharded gradient is set after FSDP2's reduce-scatter, "
+                    "not by autograd's accumulation, so it cannot be stepped in backward"
+                )
+            if not p.is_leaf:
+                raise ValueError(
+                    f"{where} is not a leaf tensor: autograd accumulates no gradient into it, so it has no "
+                    "post-accumulate-grad hook"
+                )
+            if not hasattr(p, "register_post_accumulate_grad_hook"):
+                raise ValueError(
+                    f"{where}: this torch has no Tensor.register_post_accumulate_grad_hook (torch >= 2.1)"
+                )
+            if p.grad is not None:
+                optimizer._check_dense(p, gi, j)  # a sparse gradient left from before: refused now
+            if p.requires_grad:  # a frozen parameter gets no gradient, and no hook
+                params.append(p)
+    handle = StepInBackward(optimizer, params, track_grad_norm)
+    _ACTIVE[optimizer] = handle
+    return handle
+
+
+__all__ = ["StepInBackward", "step_in_backward"]
