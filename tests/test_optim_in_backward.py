@@ -250,3 +250,31 @@ def test_refuses_a_second_registration():
     opt = FusedAdamW([nn.Parameter(torch.ones(3))], backend="torch")
     with step_in_backward(opt), pytest.raises(ValueError, match="already steps in backward"):
         step_in_backward(opt)
+
+
+def test_armed_gate_accumulates_until_armed():
+    """Gradient accumulation: backwards while ``armed()`` is False only accumulate; the armed one steps on the
+    summed gradient, bit for bit as accumulate-then-step."""
+    results = []
+    for in_backward in (True, False):
+        model = make_model(torch.float32, "cpu")
+        opt = FusedAdamW(groups(model), lr=1e-2, backend="torch")
+        sync = [False]
+        handle = step_in_backward(opt, armed=lambda sync=sync: sync[0]) if in_backward else None
+        for step in range(4):
+            sync[0] = step % 2 == 1
+            x, t = batch(step, torch.float32, "cpu")
+            ((model(x) - t).square().mean() / 2).backward()
+            if in_backward:
+                assert all((p.grad is None) == sync[0] for p in model.parameters())
+            if sync[0]:
+                opt.step()
+                opt.zero_grad()
+        if handle is not None:
+            assert handle.updates == 2 * len(list(model.parameters()))
+            handle.remove()
+        results.append((model, opt))
+    (a_model, a_opt), (b_model, b_opt) = results
+    for (name, p), q in zip(a_model.named_parameters(), b_model.parameters(), strict=True):
+        assert torch.equal(p, q), f"parameter {name} differs"
+        assert float(a_opt.state[p]["step"]) == float(b_opt.state[q]["step"]) == 2

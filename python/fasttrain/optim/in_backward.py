@@ -34,9 +34,15 @@ norm needs every gradient before the first update: clip per parameter, or step a
 a parameter that is not a leaf, DTensor (FSDP2) parameters (their sharded gradients are set after FSDP2's
 reduce-scatter, not by autograd's accumulation). Not detectable, so documented: under DDP the hook would fire before
 the gradient's all-reduce (don't); ``torch.amp.GradScaler`` (its ``step`` expects gradients to unscale: use bf16,
-which needs no scaler); gradient accumulation over several backwards (each backward steps). Frozen parameters
+which needs no scaler). Frozen parameters
 (``requires_grad=False``) get no hook, as they get no gradient. The optimizer's step hooks
 (``register_step_pre_hook`` / ``register_step_post_hook``) are not run by the updates made in backward.
+
+Gradient accumulation over several backwards: pass ``armed``, a predicate read as each gradient is final; while
+it says False the hook leaves the gradient where it is (the next backward accumulates into it, as without hooks),
+and the backward during which it says True steps on the accumulated gradient. The Trainer's switch
+(``optim_args="step_in_backward=true"``) arms it with Accelerate's ``sync_gradients``. Without ``armed`` every
+backward steps.
 
 ``handle.grad_norm()`` is the 2-norm of every gradient stepped since ``handle.reset_grad_norm()`` (or since the
 handle was made): the squares are summed in float64 on the gradients' device, without a host sync.
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,14 +77,23 @@ def _refuse_clip(optimizer: FusedAdamW) -> None:
 class StepInBackward:
     """The hooks ``step_in_backward`` registered on the optimizer's parameters, and the running gradient norm."""
 
-    def __init__(self, optimizer: FusedAdamW, params: list[torch.Tensor], track_grad_norm: bool) -> None:
+    def __init__(
+        self,
+        optimizer: FusedAdamW,
+        params: list[torch.Tensor],
+        track_grad_norm: bool,
+        armed: Callable[[], bool] | None = None,
+    ) -> None:
         self._optimizer = optimizer
         self._track = track_grad_norm
+        self.armed = armed  # None: every backward steps; else only a backward during which armed() is True
         self._lock = threading.Lock()  # autograd may run the hooks of CUDA devices on their own threads
         self._index: dict[int, tuple[int, int, int]] = {}  # id(param) -> (group, index in group, salt)
         self._signature: tuple[int, ...] = ()
         self._squares: dict[torch.device, torch.Tensor] = {}
         self.stepped = 0  # parameter updates made in backward since reset_grad_norm()
+        self.updates = 0  # parameter updates made in backward by this handle, never reset (evidence it ran)
+        self.removed = False
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
     # -- the public side ----------------------------------------------------------------------------------------
@@ -87,6 +103,7 @@ class StepInBackward:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.removed = True
         if _ACTIVE.get(self._optimizer) is self:
             del _ACTIVE[self._optimizer]
 
@@ -139,6 +156,8 @@ class StepInBackward:
     def _hook(self, p: torch.Tensor) -> None:
         if p.grad is None:
             return
+        if self.armed is not None and not self.armed():
+            return  # an accumulating backward: the gradient stays for the next one to add to
         opt = self._optimizer
         with self._lock:
             _refuse_clip(opt)
@@ -162,14 +181,18 @@ class StepInBackward:
             else:
                 opt._torch_step(group, [entry], device, lay, None, None, None)
             self.stepped += 1
+            self.updates += 1
         p.grad = None
 
 
-def step_in_backward(optimizer: FusedAdamW, *, track_grad_norm: bool = True) -> StepInBackward:
+def step_in_backward(
+    optimizer: FusedAdamW, *, track_grad_norm: bool = True, armed: Callable[[], bool] | None = None
+) -> StepInBackward:
     """Step each parameter of ``optimizer`` inside ``backward()`` as soon as its gradient is final, and free the
     gradient (module doc). Returns the handle: ``remove()``, ``grad_norm()``, ``reset_grad_norm()``.
 
-    ``track_grad_norm=False`` skips the per-gradient norm (one extra read of each gradient).
+    ``track_grad_norm=False`` skips the per-gradient norm (one extra read of each gradient). ``armed``: a
+    predicate; a backward during which it says False only accumulates (gradient accumulation, module doc).
     """
     if not isinstance(optimizer, FusedAdamW):
         raise TypeError(f"step_in_backward: needs a fasttrain.FusedAdamW, got {type(optimizer).__name__}")
@@ -201,7 +224,7 @@ def step_in_backward(optimizer: FusedAdamW, *, track_grad_norm: bool = True) -> 
                 optimizer._check_dense(p, gi, j)  # a sparse gradient left from before: refused now
             if p.requires_grad:  # a frozen parameter gets no gradient, and no hook
                 params.append(p)
-    handle = StepInBackward(optimizer, params, track_grad_norm)
+    handle = StepInBackward(optimizer, params, track_grad_norm, armed)
     _ACTIVE[optimizer] = handle
     return handle
 
