@@ -1,0 +1,298 @@
+"""The tiled decoder MLP (fasttrain.tiling.mlp): its output and every gradient bounded by the truth, and the
+behaviour around it (below the threshold bit for bit, checkpointing, one gradient accumulation per parameter).
+
+Each value is compared with the plain MLP run in float64 (the truth): the tiled MLP may be at most ``k`` times as
+far from it as the plain MLP in the same dtype, plus a floor (tests/_truth_ops.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from torch.utils.checkpoint import checkpoint
+
+from _truth_ops import assert_all_truth
+from fasttrain.tiling import TiledMLP, disable_tiled_mlp, enable_tiled_mlp, tiled_mlp_calls
+
+pytestmark = pytest.mark.numeric
+
+# fp32: the same arithmetic, the parameters' gradients summed chunk by chunk (another order of summation): twice the
+# plain MLP's distance to float64, plus 4 fp32 roundings of the value where the plain one lands on it by chance.
+FP32 = {"k": 2.0, "ulps": 4.0}
+# bf16 (autocast or stored): both round the projections' inputs and outputs to bf16; a chunk's parameter gradient is
+# rounded to bf16 before the sum (stored bf16) where the plain one is rounded once: twice the plain MLP's distance
+# plus 1/2 ulp of bf16 (one more rounding of the sum, ours only).
+HALF = {"k": 2.0, "ulps": 0.5}
+BOUNDS = {"fp32": FP32, "autocast_bf16": HALF, "bf16": HALF}
+
+
+class Layer(torch.nn.Module):
+    """A decoder layer's seat of the MLP: ``enable_tiled_mlp`` looks for modules held as ``mlp``."""
+
+    def __init__(self, hidden: int = 32, intermediate: int = 64, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        config = transformers.Qwen3Config(
+            hidden_size=hidden, intermediate_size=intermediate, hidden_act="silu"
+        )
+        self.mlp = transformers.models.qwen3.modeling_qwen3.Qwen3MLP(config)
+        for p in self.mlp.parameters():  # weights of the scale a trained MLP has (the default init is 0.02)
+            torch.nn.init.normal_(p, std=hidden**-0.5)
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+def _grads(module: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    return {"input": x.grad, **{name: p.grad for name, p in module.named_parameters()}}
+
+
+def _run(module, x, grad, dtype_case, through=None):
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype_case == "autocast_bf16"):
+        y = module(x) if through is None else through(module, x)
+    y.backward(grad.to(y.dtype))
+    return y.detach(), _grads(module, x)
+
+
+def _three(dtype_case: str, chunk: int, min_tokens: int = 0, **layer):
+    """The truth (float64), the reference (plain, in the case's dtype) and ours (tiled)."""
+    ref = Layer(**layer)
+    if dtype_case == "bf16":
+        ref = ref.to(torch.bfloat16)
+    truth = copy.deepcopy(ref).double()  # the weights the others hold, bf16-rounded ones included
+    ours = copy.deepcopy(ref)
+    assert enable_tiled_mlp(ours, chunk_tokens=chunk, min_tokens=min_tokens) == 1
+    return truth, ref, ours
+
+
+def _inputs(shape, hidden, dtype_case, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, hidden, generator=generator)
+    grad = torch.randn(*shape, hidden, generator=generator)
+    if dtype_case == "bf16":
+        x, grad = x.bfloat16(), grad.bfloat16()
+    return x, grad
+
+
+def _check_against_truth(dtype_case, chunk, shape, hidden=32, intermediate=64, through=None, min_tokens=0):
+    truth, ref, ours = _three(dtype_case, chunk, min_tokens, hidden=hidden, intermediate=intermediate)
+    x, grad = _inputs(shape, hidden, dtype_case)
+    y_truth, g_truth = _run(truth, x.double(), grad.double(), "fp64", through)
+    y_ref, g_ref = _run(ref, x, grad, dtype_case, through)
+    calls = tiled_mlp_calls(ours)
+    y_ours, g_ours = _run(ours, x, grad, dtype_case, through)
+    assert tiled_mlp_calls(ours) > calls, "the MLP did not run tiled"
+    assert y_ours.dtype == y_ref.dtype and y_ours.shape == y_ref.shape
+    triples = [("output", y_ours, y_ref, y_truth)]
+    triples += [(name, g_ours[name], g_ref[name], g_truth[name]) for name in g_truth]
+    for name, ours_t, ref_t, _ in triples:
+        assert ours_t.dtype == ref_t.dtype, name
+        assert torch.isfinite(ours_t).all(), name
+    assert_all_truth(triples, **BOUNDS[dtype_case], what=f"{dtype_case} chunk {chunk}")
+    return ours
+
+
+@pytest.mark.parametrize("dtype_case", list(BOUNDS))
+@pytest.mark.parametrize("chunk", [1, 7, 256, 1000, 1024, 2999])
+def test_chunks_match_truth(dtype_case, chunk):
+    # 2 x 1500 = 3000 rows: 1000 divides them, 7, 256, 1024 and 2999 leave a shorter last chunk, 1 is a row a chunk
+    _check_against_truth(dtype_case, chunk, (2, 1500))
+
+
+@pytest.mark.parametrize("dtype_case", list(BOUNDS))
+@pytest.mark.parametrize("chunk", [1000, 4096])
+def test_long_sequence_tiny_width(dtype_case, chunk):
+    _check_against_truth(dtype_case, chunk, (1, 8192), hidden=32, intermediate=64)
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 101), (301,)])
+def test_leading_dims(shape):
+    _check_against_truth("fp32", 64, shape)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("dtype_case", ["fp32", "autocast_bf16"])
+def test_inside_checkpoint(dtype_case, use_reentrant):
+    def through(module, x):
+        return checkpoint(module, x, use_reentrant=use_reentrant)
+
+    _check_against_truth(dtype_case, 100, (2, 333), through=through)
+
+
+@pytest.mark.parametrize("use_reentrant", [None, False, True])
+def test_one_accumulation_per_parameter(use_reentrant):
+    """A post-accumulate-grad hook (fasttrain's optimizer step in backward, DDP's reducer) fires once per parameter
+    and backward, with the whole gradient, however many chunks the backward ran."""
+    *_, ours = _three("fp32", 100, 0)
+    seen: dict[str, list[torch.Tensor]] = {}
+    for name, p in ours.named_parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: seen.setdefault(name, []).append(p.grad.clone())
+        )
+    x, grad = _inputs((2, 1000), 32, "fp32")
+    for backward in range(2):
+        seen.clear()
+        ours.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        y = ours(xi) if use_reentrant is None else checkpoint(ours, xi, use_reentrant=use_reentrant)
+        y.backward(grad)
+        assert {name: len(calls) for name, calls in seen.items()} == dict.fromkeys(
+            (name for name, _ in ours.named_parameters()), 1
+        ), backward
+        for name, p in ours.named_parameters():
+            assert torch.equal(seen[name][0], p.grad), name  # the hook saw the final gradient
+
+
+def test_below_threshold_is_the_plain_module_bit_for_bit():
+    _, ref, ours = _three("fp32", 64, min_tokens=2000)
+    for shape in [(2, 1000), (2000,), (1, 5)]:  # 2000 tokens: not above the threshold
+        x, grad = _inputs(shape, 32, "fp32")
+        ref.zero_grad(set_to_none=True)
+        ours.zero_grad(set_to_none=True)
+        y_ref, g_ref = _run(ref, x, grad, "fp32")
+        y_ours, g_ours = _run(ours, x, grad, "fp32")
+        assert torch.equal(y_ours, y_ref)
+        for name in g_ref:
+            assert torch.equal(g_ours[name], g_ref[name]), name
+    assert tiled_mlp_calls(ours) == 0
+    x, grad = _inputs((1, 2001), 32, "fp32")
+    _run(ours, x, grad, "fp32")
+    assert tiled_mlp_calls(ours) == 1
+
+
+def test_eval_under_no_grad_runs_plain():
+    _, ref, ours = _three("fp32", 16, 0)
+    ref.eval()
+    ours.eval()
+    x, _ = _inputs((2, 300), 32, "fp32")
+    with torch.no_grad():
+        assert torch.equal(ours(x), ref(x))
+    with torch.inference_mode():
+        assert torch.equal(ours(x), ref(x))
+    assert tiled_mlp_calls(ours) == 0
+
+
+def test_frozen_parameter():
+    truth, ref, ours = _three("fp32", 100, 0)
+    for module in (truth, ref, ours):
+        module.mlp.gate_proj.weight.requires_grad_(False)
+    x, grad = _inputs((2, 500), 32, "fp32")
+    y_truth, g_truth = _run(truth, x.double(), grad.double(), "fp64")
+    y_ref, g_ref = _run(ref, x, grad, "fp32")
+    y_ours, g_ours = _run(ours, x, grad, "fp32")
+    assert tiled_mlp_calls(ours) == 1
+    assert g_ours["mlp.gate_proj.weight"] is None
+    names = [n for n in g_truth if g_truth[n] is not None]
+    assert_all_truth(
+        [("output", y_ours, y_ref, y_truth), *[(n, g_ours[n], g_ref[n], g_truth[n]) for n in names]], **FP32
+    )
+
+
+def test_input_without_grad_and_frozen_mlp():
+    truth, ref, ours = _three("fp32", 100, 0)
+    x, grad = _inputs((2, 500), 32, "fp32")
+    for module, dtype in ((truth, torch.float64), (ref, torch.float32), (ours, torch.float32)):
+        # the input needs no gradient: only the parameters get one
+        module(x.to(dtype)).backward(grad.to(dtype))
+    assert tiled_mlp_calls(ours) == 1
+    grads = [dict(m.named_parameters()) for m in (ours, ref, truth)]
+    assert_all_truth([(n, grads[0][n].grad, grads[1][n].grad, grads[2][n].grad) for n in grads[0]], **FP32)
+    ours.requires_grad_(False)
+    assert ours(x).grad_fn is None  # nothing needs a gradient: the plain forward
+    assert tiled_mlp_calls(ours) == 1
+
+
+def test_backward_recomputes_under_the_forwards_autocast():
+    """The recomputation in backward runs in the dtype the forward ran in (bf16 here), whatever autocast is in force
+    where ``backward()`` is called (DeepSpeed's and Liger's tiled MLPs recompute in fp32 there)."""
+    _, _, ours = _three("fp32", 100, 0)
+    dtypes = []
+    ours.mlp.down_proj.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    x, _ = _inputs((1, 300), 32, "fp32")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ours(x.requires_grad_())
+    y.float().sum().backward()
+    assert dtypes == [torch.bfloat16] * 6  # 3 chunks forward, 3 again in backward
+
+
+def test_lora_projections():
+    peft = pytest.importorskip("peft")
+    targets = ["gate_proj", "up_proj", "down_proj"]
+    base = Layer()
+    truth = peft.get_peft_model(
+        copy.deepcopy(base).double(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    )
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+    models = []
+    for _ in range(2):
+        model = peft.get_peft_model(copy.deepcopy(base), config)
+        models.append(model)
+    ref, ours = models
+    with torch.no_grad():  # LoRA's B starts at zero: give it a value, the same in all three
+        for module in (truth, ref, ours):
+            for name, p in module.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    assert enable_tiled_mlp(ours, chunk_tokens=100, min_tokens=0) == 1
+    x, grad = _inputs((2, 500), 32, "fp32")
+    truth.eval()  # float64 truth: LoRA's dropout is 0 in the others; eval makes no difference but reads clearly
+    y_truth, g_truth = _run(truth, x.double(), grad.double(), "fp64")
+    y_ref, g_ref = _run(ref, x, grad, "fp32")
+    y_ours, g_ours = _run(ours, x, grad, "fp32")
+    assert tiled_mlp_calls(ours) == 1
+    trained = [n for n in g_truth if g_truth[n] is not None]
+    assert len(trained) == 1 + 6  # the input and A, B of three projections; the base weights are frozen
+    assert_all_truth(
+        [("output", y_ours, y_ref, y_truth), *[(n, g_ours[n], g_ref[n], g_truth[n]) for n in trained]], **FP32
+    )
+
+
+def test_lora_dropout_in_training_runs_plain():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj"], lora_dropout=0.1)
+    ours = peft.get_peft_model(Layer(), config)
+    assert enable_tiled_mlp(ours, chunk_tokens=100, min_tokens=0) == 1
+    x, _ = _inputs((2, 500), 32, "fp32")
+    ours.train()
+    ours(x.requires_grad_()).sum().backward()
+    assert tiled_mlp_calls(ours) == 0
+
+
+def test_other_projections_stay_plain():
+    class Scaled(torch.nn.Linear):
+        pass
+
+    layer = Layer()
+    layer.mlp.up_proj = Scaled(32, 64, bias=False)
+    assert enable_tiled_mlp(layer) == 0
+    assert "forward" not in layer.mlp.__dict__
+
+
+def test_disable_restores_the_forward():
+    layer = Layer()
+    assert enable_tiled_mlp(layer, chunk_tokens=10, min_tokens=0) == 1
+    assert "forward" in layer.mlp.__dict__
+    disable_tiled_mlp(layer)
+    assert "forward" not in layer.mlp.__dict__
+    assert tiled_mlp_calls(layer) == 0
+
+
+def test_function_chunks_nothing_twice():
+    """``TiledMLP`` on its own: each row computed once forward (counted), and the last, shorter chunk included."""
+    rows = []
+    weight = torch.randn(5, 3, requires_grad=True)
+
+    def run(x):
+        rows.append(x.shape[0])
+        return x @ weight.t()
+
+    x = torch.randn(2, 11, 3, requires_grad=True)
+    y = TiledMLP.apply(run, 4, x, weight)
+    assert rows == [4, 4, 4, 4, 4, 2] and y.shape == (2, 11, 5)
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(weight.grad, torch.ones(22, 5).t() @ x.detach().reshape(22, 3))
+    torch.testing.assert_close(x.grad, torch.ones(2, 11, 5) @ weight.detach())
