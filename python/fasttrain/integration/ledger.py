@@ -49,6 +49,9 @@ class Seam:
         self.clip_bypassed: str | None = (
             None  # the trainer's _clip_grad_norm clipped without Accelerate's clip
         )
+        self.in_backward: Any = (
+            None  # integration.in_backward's state, when optim_args asks for step_in_backward
+        )
 
     def off(self, name: str, reason: str, fallback: bool = True) -> None:
         """Record why ``name`` does not run; ``fallback`` when the user asked for it and it could apply."""

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ..optim.options import fused_adamw_options
-from . import settle
+from ..optim.options import TRAINER_OPTIONS, fused_adamw_options
+from . import in_backward, settle
 from .ledger import NOT_RUN, Seam, seam_of
 from .trainer_api import override
 
@@ -27,8 +27,10 @@ DEEPSPEED_OPTIMIZER = "DeepSpeed's config chose the optimizer (its `optimizer` s
 def arm(trainer: Any, seam: Seam) -> None:
     # create_optimizer stays hooked with the path off too: the status settles at the optimizer's first step
     override(trainer, "create_optimizer", _create_optimizer)
-    if seam.paths.optimizer and _optim_name(trainer.args) in ADAMW_OPTIMS:
-        _options(trainer, seam)  # a bad optim_args fails here, not after set-up at train()
+    # a bad optim_args fails here, not after set-up at train(); so does a step_in_backward this run refuses
+    wanted = seam.paths.optimizer and _optim_name(trainer.args) in ADAMW_OPTIMS
+    if wanted and _options(trainer, seam).get("step_in_backward"):
+        in_backward.arm(trainer, seam)
     if seam.deepspeed is not None and "optimizer" in seam.deepspeed:
         if seam.paths.optimizer:
             seam.off("optimizer", DEEPSPEED_OPTIMIZER, fallback=False)
@@ -66,6 +68,7 @@ def _create_optimizer(trainer: Any, original: Callable[..., Any], *args: Any, **
     # not Accelerate's DummyOptim (a DeepSpeed `optimizer` section): training_step finds DeepSpeed's optimizer
     if isinstance(optimizer, torch.optim.Optimizer) and not seam.logged:
         settle.after_first_step(seam, optimizer)
+    in_backward.register(trainer, seam, optimizer)  # when optim_args asks for it
     return optimizer
 
 
@@ -91,7 +94,8 @@ def fused_adamw_kwargs(trainer: Any, seam: Seam, model: Any) -> dict[str, Any] |
         return None
     # lr, betas and eps as transformers derives them; weight decay comes with the Trainer's parameter groups
     kwargs = {k: v for k, v in kwargs.items() if k not in ("fused", "foreach")}
-    return {**kwargs, **_options(trainer, seam)}
+    options = {k: v for k, v in _options(trainer, seam).items() if k not in TRAINER_OPTIONS}
+    return {**kwargs, **options}
 
 
 def _find_deepspeed_optimizer(trainer: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -111,7 +115,7 @@ def verdict(seam: Seam, trainer: Any, optimizer: Any) -> None:
     if seam.status["optimizer"] != NOT_RUN:
         return
     if isinstance(optimizer, FusedAdamW):
-        seam.status["optimizer"] = "on"
+        seam.status["optimizer"] = in_backward.optimizer_status(seam)
     else:
         seam.off(
             "optimizer", f"the Trainer's optimizer is {type(optimizer).__qualname__}, given or built by it"

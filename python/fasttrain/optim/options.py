@@ -28,7 +28,10 @@ _OPTION_PARSERS: dict[str, Callable[[str], Any]] = {
     "amsgrad": lambda v: _parse_bool(v),
     "maximize": lambda v: _parse_bool(v),
     "backend": lambda v: check_backend(v, "backend"),
+    # not FusedAdamW's: the Trainer registers step_in_backward on the optimizer it builds (integration/in_backward.py)
+    "step_in_backward": lambda v: _parse_bool(v),
 }
+TRAINER_OPTIONS = ("step_in_backward",)  # read by the Trainer's integration, not passed to FusedAdamW
 
 
 def _parse_bool(value: str) -> bool:
