@@ -7,6 +7,7 @@
 - ``packing`` (policy in ``packing_policy``): the training loader's batches packed into padding-free rows;
 - ``sampler``: the Rust length-grouped sampler (private ``_get_train_sampler``, signature-checked);
 - ``optimizer``: ``FusedAdamW`` through ``create_optimizer`` and ``optimizer_cls_and_kwargs``, DeepSpeed's client;
+- ``in_backward``: with ``optim_args="step_in_backward=true"``, that FusedAdamW steps inside backward;
 - ``clip``: the norm in one pass, the clip applied inside the next step (private ``_clip_grad_norm``);
 - ``loss`` / ``loss_trl``: the fused loss in the model's forward, or TRL's fused LM head served by our kernel;
 - ``budget``: token-budget batches (``fasttrain.Trainer(max_tokens_per_batch=...)``; a batching choice, not a hot
