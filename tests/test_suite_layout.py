@@ -22,6 +22,7 @@ MAIN_ONLY = {
     "the README, the packaging and the suite's own layout": (
         "test_architecture.py",
         "test_bench_data.py",
+        "test_bench_frontier.py",
         "test_bench_limit.py",
         "test_bench_optimizer_memory.py",
         "test_bench_profile.py",

@@ -56,7 +56,8 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
         "file with a 'text' column or lines, or a hub dataset id")
     add("--device", choices=["auto", "cpu", "cuda"], help="default: cuda when available, else cpu")
     add("--lengths", choices=list(data.LENGTH_KINDS), help="example lengths: 'natural' (each document of the "
-        f"dataset, truncated to --seq-len) or 'lognormal' ({lognormal}, filled from the dataset's tokens)")
+        f"dataset, truncated to --seq-len), 'lognormal' ({lognormal}, filled from the dataset's tokens) or 'full' "
+        "(every example --seq-len tokens of the dataset read as one stream)")
     add("--steps", type=int, help="optimizer steps per run")
     add("--seq-len", type=int, help="maximum tokens per example; grpo/rloo: per prompt")
     add("--batch-size", type=int, help="per-device batch size; grpo/rloo: completions per micro-batch")
@@ -78,6 +79,14 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     add("--ablate", nargs="?", const="", metavar="PATHS", help="also run fasttrain with each hot path switched "
         "off in turn (FASTTRAIN_DISABLE=<name>), and with all off: each path's share. Optionally only the "
         f"comma-separated PATHS (of {', '.join(HotPaths.names())}, all)")
+    add("--gradient-checkpointing", action=argparse.BooleanOptionalAction, help="the Trainer's "
+        "gradient_checkpointing on both sides")
+    add("--frontier", action="store_true", default=None, help="the longest sequence each contender trains: one optimizer step "
+        "at batch 1 with gradient checkpointing at doubling lengths from --seq-len, then bisected to within 10%%, "
+        "each in its own process under --memory-budget (built-in presets: cpu-frontier, cuda-frontier)")
+    add("--memory-budget", metavar="SIZE", help="--frontier: the resident memory (cpu) a run may reach, e.g. 20GiB "
+        "(default: the available memory less 10%%, at least 1 GiB)")
+    add("--max-length", type=int, help="--frontier: the longest length probed")
     add("--json", metavar="PATH", help="write the results as JSON")
     add("--markdown", metavar="PATH", help="write the table as Markdown, with its provenance")
     add("--plot", metavar="PATH", help="write a PNG: loss curves, throughput and memory bars")
@@ -129,7 +138,8 @@ def settings(args: argparse.Namespace) -> dict:
     """Every setting of the run: the built-in preset, then --preset (or its twin), then the options given."""
     from .bench import presets
 
-    named = presets.chosen(args.preset, args.smoke, args.trainer)
+    frontier = getattr(args, "frontier", False)
+    named = presets.chosen(args.preset, args.smoke, args.trainer, frontier)
     given = {k: v for k, v in vars(args).items() if v is not None and k not in ("preset", "smoke")}
     trainer = given.get("trainer") or named.get("trainer") or "transformers"
     device = given.get("device") or named.get("device") or "auto"
@@ -137,7 +147,7 @@ def settings(args: argparse.Namespace) -> dict:
         device = "cuda" if _cuda_available() else "cpu"
     elif device == "cuda" and not _cuda_available():
         raise UsageError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
-    merged = {**presets.PRESETS[presets.default_for(device, trainer)].options, **named, **given}
+    merged = {**presets.PRESETS[presets.default_for(device, trainer, frontier)].options, **named, **given}
     merged.update(trainer=trainer, device=device)
     if isinstance(merged["seq_len"], dict):
         merged["seq_len"] = merged["seq_len"][merged["lengths"]]
@@ -189,6 +199,23 @@ def _check(s: dict) -> None:
 
         if not torch.backends.mkldnn.is_available():
             raise UsageError("--bf16 on cpu needs a torch build with oneDNN (mkldnn)")
+    frontier_only = [f"--{k.replace('_', '-')}" for k in ("memory_budget", "max_length") if k in s]
+    if not s.get("frontier") and frontier_only:
+        raise UsageError(f"{', '.join(frontier_only)} only apply to --frontier")
+    if s.get("frontier"):
+        from .bench.frontier import parse_size
+
+        if trainer != "transformers":
+            raise UsageError(
+                f"--frontier runs transformers.Trainer against fasttrain.Trainer, not --trainer {trainer}"
+            )
+        try:
+            if "memory_budget" in s:
+                parse_size(s["memory_budget"])
+        except ValueError as exc:
+            raise UsageError(f"--memory-budget: {exc}") from None
+        if s.get("max_length", s["seq_len"]) < s["seq_len"]:
+            raise UsageError(f"--max-length ({s['max_length']}) must be at least --seq-len ({s['seq_len']})")
     if s["liger"] and generates:
         raise UsageError(
             f"--liger does not apply to --trainer {trainer}: TRL keeps its own fused LM head there"
@@ -221,6 +248,7 @@ def resolve(args: argparse.Namespace):
                                    "bf16", "seed", "threads", "warmup_steps", "group_by_length", "lengths")},
         learning_rate=s["lr"],
         trainer_type=s["trainer"],
+        gradient_checkpointing=bool(s.get("gradient_checkpointing")),
         **({key: s[key] for key in GENERATION_FIELDS} if generates else {}),
     )  # fmt: skip
     contenders = [Contender(REFERENCE, REFERENCE), Contender(FASTTRAIN, FASTTRAIN)]
@@ -267,6 +295,11 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
     from .bench import provenance, report, runner, summary
 
     config, contenders, repeats = resolve(args)
+    s = settings(args)
+    if s.get("frontier"):
+        from .bench.frontier_report import frontier_bench
+
+        return frontier_bench(config, contenders, s, args, shlex.join(["fasttrain", *argv]))
     for line in announce(config, contenders, repeats):
         print(line, file=sys.stderr)
     limit = None

@@ -40,6 +40,11 @@ class BenchConfig:
     num_generations: int = 8
     max_completion_length: int = 512
     completions: str = "sampled"
+    # the length frontier (bench/frontier.py): the Trainer's gradient_checkpointing, a user's best memory setting
+    gradient_checkpointing: bool = False
+    # the length frontier on cuda: bytes this process may allocate (torch's per-process memory fraction); on cpu
+    # the parent watches the child's resident memory instead (runner.run_one)
+    memory_budget: int | None = None
     # --profile: this run profiles its last optimizer step (bench/profile.py); its timings are not reported
     profile: bool = False
 
@@ -106,6 +111,8 @@ def training_kwargs(config: BenchConfig, contender: Contender, output_dir: str, 
         # No include_num_input_tokens_seen: the worker counts real tokens itself, at the model's input, the
         # same way for padded and packed batches (the Trainer's count would keep fasttrain's packing off).
     )
+    if config.gradient_checkpointing:
+        kwargs["gradient_checkpointing"] = True
     if config.group_by_length:
         # transformers 5.x names it train_sampling_strategy; older releases (the GPU machine's 5.17 may) group_by_length
         if "train_sampling_strategy" in fields:

@@ -4,7 +4,8 @@
 collator). A document of the built-in corpus is a run of consecutive top-level blocks of one stdlib file joined
 while they fit in ``seq_len``; of a local or hub dataset, one row's ``text``. ``--lengths lognormal``: seeded
 log-normal lengths like instruction data, each example filled with the next tokens of the data read as one stream
-(an end-of-text token between two documents). docs/method.md says the same for users.
+(an end-of-text token between two documents); ``--lengths full``: every example ``seq_len`` tokens of that stream
+(the length frontier's). docs/method.md says the same for users.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ DEFAULT = "default"
 # --lengths: the data's own lengths, or drawn from a log-normal distribution like instruction data
 NATURAL = "natural"
 LOGNORMAL = "lognormal"
-LENGTH_KINDS = (NATURAL, LOGNORMAL)
+# every example exactly seq_len tokens of the stream: the length frontier (bench/frontier.py) trains on these
+FULL = "full"
+LENGTH_KINDS = (NATURAL, LOGNORMAL, FULL)
 LOGNORMAL_MEDIAN = 180  # tokens; instruction/chat SFT sets have medians of a few hundred tokens
 LOGNORMAL_SIGMA = 0.8  # with median 180: mean ~250, about 1 example in 100 above 1,024 tokens
 MIN_TOKENS = 16  # shorter documents (empty lines, stubs) carry no signal and are skipped
@@ -156,8 +159,9 @@ def lognormal_lengths(count: int, seq_len: int, seed, lower: int = MIN_TOKENS) -
     return np.clip(np.rint(drawn), lower, max(seq_len, lower)).astype(np.int64).tolist()
 
 
-def _lognormal_examples(spec: str, tokenizer, seq_len: int, num_examples: int, seed: int) -> list[list[int]]:
-    lengths = lognormal_lengths(num_examples, seq_len, seed)
+def _stream_examples(spec: str, tokenizer, lengths: list[int]) -> list[list[int]]:
+    """Examples of the given lengths, cut one after another from the data read as one token stream."""
+    num_examples = len(lengths)
     separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     examples: list[list[int]] = []
     stream: list[int] = []
@@ -178,9 +182,12 @@ def build_examples(
     spec: str, tokenizer, seq_len: int, num_examples: int, lengths: str = NATURAL, seed: int = 0
 ) -> list[list[int]]:
     """``num_examples`` token-id lists of ``MIN_TOKENS..seq_len`` tokens (fewer only if the data runs out);
-    ``lengths`` is ``"natural"`` (each document truncated) or ``"lognormal"`` (drawn lengths, ``seed``)."""
+    ``lengths`` is ``"natural"`` (each document truncated), ``"lognormal"`` (drawn lengths, ``seed``) or ``"full"``
+    (every example ``seq_len`` tokens)."""
     if lengths == LOGNORMAL:
-        return _lognormal_examples(spec, tokenizer, seq_len, num_examples, seed)
+        return _stream_examples(spec, tokenizer, lognormal_lengths(num_examples, seq_len, seed))
+    if lengths == FULL:
+        return _stream_examples(spec, tokenizer, [seq_len] * num_examples)
     if lengths != NATURAL:
         raise DatasetError(f"--lengths must be one of {', '.join(LENGTH_KINDS)}, got {lengths!r}")
     return _natural_examples(spec, tokenizer, seq_len, num_examples)

@@ -30,6 +30,8 @@ _TRL_TWIN = {**_TINY_CPU, "steps": 2, "seq_len": 48, "batch_size": 2}
 _RL_TWIN = {**_TINY_CPU, "lengths": "lognormal", "steps": 2, "warmup_steps": 1, "seq_len": 48, "batch_size": 4,
             "num_generations": 4, "max_completion_length": 16}  # fmt: skip
 _CUDA_SHAPE = {"device": "cuda", "model": "qwen3-0.6b", "bf16": True}
+_FRONTIER = {**_COMMON, "model": "qwen3-0.6b", "lengths": "full", "batch_size": 1, "steps": 1, "warmup_steps": 0,
+             "repeats": 1, "gradient_checkpointing": True, "frontier": True}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,20 +119,39 @@ PRESETS: dict[str, Preset] = {
          "steps": 5, "warmup_steps": 2, "repeats": 1},
         {**_RL_TWIN, "trainer": "grpo", "completions": "synthetic"},
     ),
+    # --frontier: one optimizer step a probe, batch 1, every example the probed length, gradient checkpointing on
+    # both sides (a user's best memory setting). On 2 CPU cores a qwen3-0.6b step takes ~1.5 min at 2,048 tokens
+    # and grows with the square of the length (attention): a budget just above fp32 AdamW's own 10.7 GiB and a cap
+    # of 4,096 keep the search under 30 minutes; the whole machine's frontier is hours of CPU (docs/measured.md).
+    "cpu-frontier": Preset(
+        "--frontier on cpu: qwen3-0.6b, fp32, one optimizer step at batch 1 with gradient checkpointing, lengths "
+        "from 512 doubled up to 4096 then bisected to within 10%, budget 12 GiB",
+        {**_FRONTIER, "device": "cpu", "bf16": False, "seq_len": 512, "max_length": 4096,
+         "memory_budget": "12GiB"},
+        {**_FRONTIER, **_TINY_CPU, "seq_len": 256, "max_length": 2048},
+    ),
+    "cuda-frontier": Preset(
+        "--frontier on cuda: qwen3-0.6b, bf16, one optimizer step at batch 1 with gradient checkpointing, lengths "
+        "from 4096 doubled up to 524288 then bisected to within 10%",
+        {**_FRONTIER, **_CUDA_SHAPE, "seq_len": 4096, "max_length": 524288},
+        {**_FRONTIER, **_TINY_CPU, "seq_len": 256, "max_length": 2048},
+    ),
 }
 # fmt: on
 
 
-def default_for(device: str, trainer: str) -> str:
-    """The built-in preset of a device and --trainer: TRL's trainers keep a small shape on CPU."""
+def default_for(device: str, trainer: str, frontier: bool = False) -> str:
+    """The built-in preset of a device and --trainer (and --frontier): TRL's trainers keep a small shape on CPU."""
+    if frontier:
+        return f"{device}-frontier"
     if trainer in ("grpo", "rloo"):
         return f"{device}-rl"
     return "cpu-trl" if device == "cpu" and trainer != "transformers" else device
 
 
-def chosen(name: str | None, smoke: bool, trainer: str | None) -> dict[str, Any]:
+def chosen(name: str | None, smoke: bool, trainer: str | None, frontier: bool = False) -> dict[str, Any]:
     """The options a preset sets, or its tiny-CPU twin's with ``smoke`` (the built-in preset's twin when no
     preset is named); none for no preset."""
     if smoke:
-        return PRESETS[name or default_for("cpu", trainer or "transformers")].smoke
+        return PRESETS[name or default_for("cpu", trainer or "transformers", frontier)].smoke
     return PRESETS[name].options if name else {}

@@ -9,7 +9,7 @@ from typing import Any
 
 from . import provenance
 from .config import BenchConfig
-from .data import LOGNORMAL, describe_lognormal
+from .data import FULL, LOGNORMAL, describe_lognormal
 from .models import BUILTIN_SHAPES, builtin_summary, describe_summary
 from .rl_runs import STOP_IDS, SYNTHETIC
 
@@ -268,6 +268,8 @@ def model_note(model: str, shape: dict[str, Any] | None = None) -> str:
 def _lengths_note(config: BenchConfig, what: str) -> str:
     if config.lengths == LOGNORMAL:
         return f"{what}: {describe_lognormal(config.seq_len)}"
+    if config.lengths == FULL:
+        return f"{what} of exactly {config.seq_len} tokens (cut from the data read as one stream)"
     return f"{what} up to {config.seq_len} tokens (the data's natural lengths)"
 
 

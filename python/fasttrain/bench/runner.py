@@ -23,6 +23,8 @@ from .config import BenchConfig, Contender, dump
 from .provenance import load_average
 
 _POLL_S = 0.2
+# under a memory budget: a process allocating at a few GB/s passes the budget by at most ~100 MB between reads
+_BUDGET_POLL_S = 0.02
 _LOG_TAIL_LINES = 30
 _LOAD_EVERY_S = 5.0  # the machine's 1-minute load average, sampled while a child runs
 
@@ -33,6 +35,23 @@ class BenchError(ValueError):
 
 class RunFailed(RuntimeError):
     """A child crashed; the message carries the tail of its log."""
+
+
+class OverBudget(RunFailed):
+    """A child's resident memory passed the budget the parent watches (``run_one(budget_bytes=...)``): stopped."""
+
+    def __init__(self, message: str, peak_bytes: int) -> None:
+        super().__init__(message)
+        self.peak_bytes = peak_bytes
+
+
+def resident_bytes(pid: int) -> int:
+    """A process's resident set size now (Linux /proc), 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/statm", encoding="ascii") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def schedule(contenders: list[Contender], repeats: int) -> list[tuple[int, Contender]]:
@@ -58,9 +77,17 @@ def _tail(path: str) -> str:
 
 
 def run_one(
-    config: BenchConfig, contender: Contender, workdir: str, tag: str, on_step: Callable[[int], None]
+    config: BenchConfig,
+    contender: Contender,
+    workdir: str,
+    tag: str,
+    on_step: Callable[[int], None],
+    budget_bytes: int | None = None,
 ) -> dict[str, Any]:
-    """One child run; ``on_step(n)`` is called with the number of optimizer steps finished since the last call."""
+    """One child run; ``on_step(n)`` is called with the number of optimizer steps finished since the last call.
+    With ``budget_bytes`` the child's resident memory is read every few milliseconds and the child is killed
+    (``OverBudget``) once it passes the budget: an out-of-memory decided here, before the kernel's OOM killer
+    would pick a process of its own choosing."""
     job_path, result_path, progress_path, log_path = (
         os.path.join(workdir, tag + suffix) for suffix in (".job.json", ".result.json", ".progress", ".log")
     )
@@ -73,9 +100,20 @@ def run_one(
     with open(log_path, "w", encoding="utf-8") as log:
         command = [sys.executable, "-m", "fasttrain.bench.worker", job_path]
         child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_child_env(contender))
+        peak = 0
         try:
             while True:
                 code = child.poll()
+                if budget_bytes is not None and code is None:
+                    peak = max(peak, resident_bytes(child.pid))
+                    if peak > budget_bytes:
+                        child.kill()
+                        child.wait()
+                        raise OverBudget(
+                            f"the {contender.name} run passed the memory budget ({peak / 2**30:.2f} GiB resident "
+                            f"> {budget_bytes / 2**30:.2f} GiB) and was stopped",
+                            peak,
+                        )
                 with open(progress_path, encoding="ascii") as progress:
                     done = sum(1 for _ in progress)
                 if done > seen:
@@ -86,7 +124,9 @@ def run_one(
                 if time.monotonic() >= next_load:
                     loads.append(load_average())
                     next_load = time.monotonic() + _LOAD_EVERY_S
-                time.sleep(_POLL_S)
+                time.sleep(_BUDGET_POLL_S if budget_bytes is not None else _POLL_S)
+        except OverBudget:
+            raise
         except BaseException:  # Ctrl-C or a failing callback: do not leave the child training
             child.kill()
             child.wait()

@@ -248,6 +248,9 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         ref_model = models.build_model(config.model, config.seq_len, config.seed, config.device, dtype)
     set_seed(config.seed)
     setup_s = time.perf_counter() - t0
+    if is_cuda and config.memory_budget:  # the length frontier: past the budget, torch's allocator fails
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, config.memory_budget / total))
     if is_cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

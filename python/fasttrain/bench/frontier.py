@@ -1,0 +1,191 @@
+"""``fasttrain bench --frontier``: the longest sequence each contender trains within a memory budget.
+
+Each probe is one optimizer step at batch 1 on one example of exactly the probed length (``--lengths full``), with
+the Trainer's gradient checkpointing, in a process of its own (runner.run_one), whose resident memory the parent
+reads every few milliseconds: past the budget the child is stopped and the length does not fit. The kernel's OOM
+killer never decides, as long as the budget is below what the machine has free. A run that fits by the parent's
+reads but whose own high-water mark (ru_maxrss, read by the child at its end) passed the budget does not fit
+either: a spike between two reads still counts.
+
+Lengths: ``--seq-len`` (the start), doubled until a probe does not fit or ``--max-length`` is passed, then
+bisected between the longest that fit and the shortest that did not until they are within ``TOLERANCE`` of each
+other (lengths kept multiples of ``ROUND``). Then every other contender runs once more at the reference's longest
+length, if it did not already, so that the table can say what each needs there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from .config import REFERENCE, BenchConfig, Contender
+from .runner import BenchError, OverBudget, RunFailed, run_one
+
+TOLERANCE = (
+    0.10  # the bisection stops when the first length that did not fit is within 10% of the longest that did
+)
+ROUND = 64  # probed lengths are multiples of this (whole tiles for every kernel)
+_MARGIN = (
+    0.10  # the default budget leaves this share of the available memory (at least _MIN_MARGIN) to the rest
+)
+_MIN_MARGIN = 2**30
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '20GiB', '20G' (binary), '20GB' (decimal), '512MiB' or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not match or unit is None:
+        raise ValueError(f"{text!r} is not a size (say e.g. 20GiB, 20G, 512MiB or a number of bytes)")
+    return int(float(match.group(1)) * unit)
+
+
+def available_bytes() -> int:
+    """What the machine has free now (Linux MemAvailable)."""
+    with open("/proc/meminfo", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 2**10
+    raise OSError("no MemAvailable line in /proc/meminfo")
+
+
+def default_budget() -> int:
+    """The machine's available memory less a margin (10%, at least 1 GiB) for everything else it runs."""
+    free = available_bytes()
+    return free - max(int(free * _MARGIN), _MIN_MARGIN)
+
+
+@dataclasses.dataclass
+class Probe:
+    length: int
+    fits: bool
+    peak_bytes: int | None = (
+        None  # the child's high-water mark, or the parent's last read when it was stopped
+    )
+    tokens_per_s: float | None = None
+    step_s: float | None = None
+    loss: float | None = None
+    why: str | None = None  # why it did not fit
+
+
+def _round(length: int) -> int:
+    return max(ROUND, (length + ROUND // 2) // ROUND * ROUND)
+
+
+def probe(config: BenchConfig, contender: Contender, length: int, budget: int, workdir: str) -> Probe:
+    """One optimizer step at ``length`` tokens in a child under ``budget``."""
+    at = dataclasses.replace(config, seq_len=length)
+    try:
+        watched = (
+            budget if config.device == "cpu" else None
+        )  # on cuda the child's own memory fraction holds it
+        result = run_one(at, contender, workdir, f"{contender.name}-{length}", lambda _: None, watched)
+    except OverBudget as exc:
+        return Probe(length, False, exc.peak_bytes, why="passed the budget (stopped by the parent)")
+    except RunFailed as exc:
+        if "not enough memory" in str(exc) or "out of memory" in str(exc).lower():
+            return Probe(length, False, why="the allocator ran out of memory")
+        raise
+    peak = int(result["peak_memory_mb"] * 2**20)
+    losses = [x for x in result["losses"] if x is not None]
+    fits = peak <= budget
+    return Probe(length, fits, peak, result["tokens_per_s"], result["step_time_s"], losses[-1] if losses else None,
+                 None if fits else "its high-water mark passed the budget")  # fmt: skip
+
+
+def search(run: Callable[[int], Probe], start: int, max_length: int) -> list[Probe]:
+    """Doubling from ``start`` until a probe does not fit (or ``max_length`` is passed), then bisection."""
+    probes: list[Probe] = []
+    length, fit, miss = _round(start), None, None
+    while length <= max_length:
+        probes.append(run(length))
+        if not probes[-1].fits:
+            miss = length
+            break
+        fit, length = length, length * 2
+    if fit is None or miss is None:  # nothing fits, or everything up to the cap does
+        return probes
+    while miss - fit > TOLERANCE * fit:
+        middle = _round((fit + miss) // 2)
+        if middle in (fit, miss):
+            break
+        probes.append(run(middle))
+        fit, miss = (middle, miss) if probes[-1].fits else (fit, middle)
+    return probes
+
+
+def longest(probes: list[Probe]) -> Probe | None:
+    return max((p for p in probes if p.fits), key=lambda p: p.length, default=None)
+
+
+def run_frontier(
+    config: BenchConfig,
+    contenders: list[Contender],
+    budget: int,
+    max_length: int,
+    on_probe: Callable[[dict[str, list[Probe]]], None] | None = None,
+    say: Callable[[str], None] = print,
+) -> dict[str, list[Probe]]:
+    """Every contender's probes (search, then one at the reference's longest length where it did not run)."""
+    found: dict[str, list[Probe]] = {c.name: [] for c in contenders}
+    with tempfile.TemporaryDirectory(prefix="fasttrain-frontier-") as workdir:
+
+        def runner(contender: Contender) -> Callable[[int], Probe]:
+            def run(length: int) -> Probe:
+                say(f"fasttrain bench --frontier: {contender.name} at {length} tokens ...")
+                result = probe(config, contender, length, budget, workdir)
+                peak = "-" if result.peak_bytes is None else f"{result.peak_bytes / 2**30:.2f} GiB"
+                say(f"  {'fits' if result.fits else 'does not fit'} (peak {peak})")
+                found[contender.name].append(result)
+                if on_probe is not None:
+                    on_probe(found)
+                return result
+
+            return run
+
+        for contender in contenders:
+            try:
+                search(runner(contender), config.seq_len, max_length)
+            except BenchError:
+                raise
+            except RunFailed as exc:  # not a memory verdict: recorded, and the other contenders go on
+                found[contender.name].append(Probe(0, False, why=f"crashed: {exc}"))
+        best = longest(found.get(REFERENCE, []))
+        for contender in contenders if best is not None else []:
+            if all(p.length != best.length for p in found[contender.name]):
+                try:
+                    runner(contender)(best.length)
+                except RunFailed as exc:
+                    found[contender.name].append(Probe(best.length, False, why=f"crashed: {exc}"))
+    return found
+
+
+def summarize(found: dict[str, list[Probe]], budget: int) -> dict[str, Any]:
+    """The table's facts: each contender's longest length, its peak and speed there, the first length that did
+    not fit, and its peak at the reference's longest length (and the ratio to the reference's)."""
+    reference = longest(found.get(REFERENCE, []))
+    out: dict[str, Any] = {}
+    for name, probes in found.items():
+        best = longest(probes)
+        misses = [p.length for p in probes if not p.fits and p.length]
+        row: dict[str, Any] = {
+            "longest_length": best.length if best else None,
+            "first_length_not_fitting": min((m for m in misses if not best or m > best.length), default=None),
+            "peak_gib_at_longest": best.peak_bytes / 2**30 if best and best.peak_bytes else None,
+            "tokens_per_s_at_longest": best.tokens_per_s if best else None,
+            "crashed": next((p.why for p in probes if p.why and p.why.startswith("crashed")), None),
+        }
+        if reference is not None:
+            at = next((p for p in probes if p.length == reference.length and p.fits), None)
+            row["peak_gib_at_reference_longest"] = at.peak_bytes / 2**30 if at and at.peak_bytes else None
+            if at and at.peak_bytes and reference.peak_bytes:
+                row["peak_ratio_at_reference_longest"] = at.peak_bytes / reference.peak_bytes
+            if best:
+                row["length_ratio"] = best.length / reference.length
+        out[name] = row
+    return {"budget_gib": budget / 2**30, "contenders": out}
