@@ -100,6 +100,9 @@ def register(trainer: Any, seam: Seam, optimizer: Any) -> None:
         return
     from ..optim import FusedAdamW, step_in_backward
 
+    # a second train() gets the optimizer back as Accelerate wrapped it in the first
+    while optimizer is not None and not isinstance(optimizer, FusedAdamW) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
     if not isinstance(optimizer, FusedAdamW):
         raise ValueError(
             f"{WHERE} needs fasttrain's FusedAdamW, but the Trainer's optimizer is {type(optimizer).__qualname__} "
