@@ -101,6 +101,12 @@ CASES = {
     "bf16-model-sr": (torch.bfloat16, "bf16_stochastic_rounding=true", {"bf16": True}),
     # 12 micro-batches an epoch in steps of 5, 5 and 2: the last step syncs at the epoch's end, not on a count
     "uneven-accumulation": (torch.float32, None, {"gradient_accumulation_steps": 5}),
+    # reentrant checkpointing runs a backward of its own per layer: each parameter must still be stepped once
+    "checkpointing": (
+        torch.float32,
+        None,
+        {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+    ),
 }
 
 
