@@ -25,7 +25,7 @@ from typing import Any
 
 from .clip import clipping_asked
 from .ledger import Seam, seam_of
-from .trainer_api import on_train_end, override, private_hook_problem
+from .trainer_api import on_train_end, override, private_hook_missing, private_hook_problem
 
 WHERE = "optim_args step_in_backward=true"
 
@@ -44,13 +44,13 @@ def arm(trainer: Any, seam: Seam) -> None:
     if problem is not None:
         raise ValueError(f"{WHERE}: {problem}")
     seam.in_backward = _State()
-    hook_problem = private_hook_problem(trainer, "_get_grad_norm", ("model", "grad_norm"))
-    if hook_problem is None:
-        override(trainer, "_get_grad_norm", _get_grad_norm)
-    else:
-        seam.notes.append(
-            f"step_in_backward: the logged grad_norm is not the one stepped in backward ({hook_problem})"
-        )
+    # transformers < 5 has no _get_grad_norm and logs no norm without clipping: nothing to serve there
+    if private_hook_missing("_get_grad_norm", ("model", "grad_norm")) is None:
+        hook_problem = private_hook_problem(trainer, "_get_grad_norm", ("model", "grad_norm"))
+        if hook_problem is None:
+            override(trainer, "_get_grad_norm", _get_grad_norm)
+        else:  # the class's own norm would find the gradients gone
+            seam.notes.append(f"step_in_backward: the logged grad_norm is not the hooks' ({hook_problem})")
     on_train_end(trainer, _remove)
 
 
@@ -110,7 +110,7 @@ def register(trainer: Any, seam: Seam, optimizer: Any) -> None:
         )
     if state.handle is not None and not state.handle.removed:
         if state.handle.optimizer is optimizer:
-            return  # a second create_optimizer in the same training (DeepSpeed's would; an interrupted train())
+            return  # hooked already (a train() that raised before on_train_end)
         _remove(trainer)
     ref = weakref.ref(trainer)
     handle = step_in_backward(optimizer, armed=lambda: _syncing(ref))
