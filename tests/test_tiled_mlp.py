@@ -8,13 +8,18 @@ far from it as the plain MLP in the same dtype, plus a floor (tests/_truth_ops.p
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
 import transformers
 from torch.utils.checkpoint import checkpoint
 
+import _tiny as tiny
+import _truth
+import fasttrain
 from _truth_ops import assert_all_truth
+from fasttrain.integration.tiling import chunk_tokens
 from fasttrain.tiling import TiledMLP, disable_tiled_mlp, enable_tiled_mlp, tiled_mlp_calls
 
 pytestmark = pytest.mark.numeric
@@ -97,9 +102,9 @@ def _check_against_truth(dtype_case, chunk, shape, hidden=32, intermediate=64, t
 
 
 @pytest.mark.parametrize("dtype_case", list(BOUNDS))
-@pytest.mark.parametrize("chunk", [1, 7, 256, 1000, 1024, 2999])
+@pytest.mark.parametrize("chunk", [7, 256, 1000, 1024, 2999])
 def test_chunks_match_truth(dtype_case, chunk):
-    # 2 x 1500 = 3000 rows: 1000 divides them, 7, 256, 1024 and 2999 leave a shorter last chunk, 1 is a row a chunk
+    # 2 x 1500 = 3000 rows: 1000 divides them, 7, 256, 1024 and 2999 leave a shorter last chunk
     _check_against_truth(dtype_case, chunk, (2, 1500))
 
 
@@ -145,6 +150,18 @@ def test_one_accumulation_per_parameter(use_reentrant):
         ), backward
         for name, p in ours.named_parameters():
             assert torch.equal(seen[name][0], p.grad), name  # the hook saw the final gradient
+
+
+def test_tensor_hooks_see_one_gradient():
+    """A hook on a parameter (``Tensor.register_hook``) sees its whole gradient once per backward, as for the plain
+    module (the recomputation differentiates aliases of the parameters, not the parameters)."""
+    *_, ours = _three("fp32", 100, 0)
+    seen: dict[str, int] = {}
+    for name, p in ours.named_parameters():
+        p.register_hook(lambda grad, name=name: seen.__setitem__(name, seen.get(name, 0) + 1))
+    x, grad = _inputs((2, 1000), 32, "fp32")
+    ours(x.requires_grad_()).backward(grad)
+    assert seen == dict.fromkeys((name for name, _ in ours.named_parameters()), 1)
 
 
 def test_below_threshold_is_the_plain_module_bit_for_bit():
@@ -286,3 +303,60 @@ def test_function_chunks_nothing_twice():
     y.backward(torch.ones_like(y))
     torch.testing.assert_close(weight.grad, torch.ones(22, 5).t() @ x.detach().reshape(22, 3))
     torch.testing.assert_close(x.grad, torch.ones(2, 11, 5) @ weight.detach())
+
+
+# ---- through a Trainer: FASTTRAIN_TILED_MLP -------------------------------------------------------------------
+
+
+def _train(trainer_cls, tmp_path, name, truth=False, **arg_overrides):
+    tok = tiny.tokenizer()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny.config("qwen3", max_position_embeddings=256))
+    if truth:
+        model = _truth.float64_twin(model)
+    trainer = trainer_cls(
+        model=model,
+        args=tiny.training_args(str(tmp_path / name), **{"max_steps": 4, **arg_overrides}),
+        train_dataset=tiny.dataset(n=16, min_len=100, max_len=200),
+        data_collator=transformers.DataCollatorForSeq2Seq(tok, padding=True),
+        processing_class=tok,
+    )
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_trainer_steps_near_truth(tmp_path, monkeypatch, caplog, gradient_checkpointing):
+    """fasttrain.Trainer with FASTTRAIN_TILED_MLP=64 (micro-batches of 400 to 800 tokens: every MLP tiled) against
+    the same Trainer without it: loss and grad_norm at every step, and the trained weights, as close to the float64
+    plain Trainer as the untiled run is; the status line names the path with its evidence."""
+    common = dict(gradient_checkpointing=gradient_checkpointing)
+    truth = _train(transformers.Trainer, tmp_path, "truth", truth=True, **common)
+    ref = _train(fasttrain.Trainer, tmp_path, "ref", **common)
+    monkeypatch.setenv("FASTTRAIN_TILED_MLP", "64")
+    with caplog.at_level(logging.INFO, logger="fasttrain"):
+        ours = _train(fasttrain.Trainer, tmp_path, "ours", **common)
+    _truth.assert_logs_near_truth(ours, ref, truth, _truth.FP32_STEP, keys=("loss", "grad_norm"))
+    _truth.assert_params_near_truth(ours.model, ref.model, truth.model)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fasttrain hot paths:")]
+    assert len(lines) == 1 and "tiled_mlp=on (2 MLPs, chunks of 64 tokens, " in lines[0], lines
+    assert ours.fasttrain_status == ref.fasttrain_status  # the hot paths' own entries are unchanged
+    assert all("forward" not in layer.mlp.__dict__ for layer in ours.model.model.layers)  # off after training
+
+
+def test_trainer_below_threshold_says_so(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("FASTTRAIN_TILED_MLP", "100000")
+    with caplog.at_level(logging.INFO, logger="fasttrain"):
+        _train(fasttrain.Trainer, tmp_path, "ours", max_steps=1)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fasttrain hot paths:")]
+    assert len(lines) == 1 and "tiled_mlp=off: no micro-batch had more than 100000 tokens" in lines[0], lines
+
+
+def test_env_setting(monkeypatch):
+    for raw, expected in [("", None), ("off", None), ("0", None), ("on", 4096), ("1", 4096), ("2048", 2048)]:
+        monkeypatch.setenv("FASTTRAIN_TILED_MLP", raw)
+        assert chunk_tokens() == expected, raw
+    for raw in ("-3", "lots"):
+        monkeypatch.setenv("FASTTRAIN_TILED_MLP", raw)
+        with pytest.raises(ValueError, match="FASTTRAIN_TILED_MLP"):
+            chunk_tokens()

@@ -12,6 +12,7 @@
 - ``loss`` / ``loss_trl``: the fused loss in the model's forward, or TRL's fused LM head served by our kernel;
 - ``budget``: token-budget batches (``fasttrain.Trainer(max_tokens_per_batch=...)``; a batching choice, not a hot
   path);
+- ``tiling``: the decoder MLPs tiled over the tokens (opt-in, ``FASTTRAIN_TILED_MLP``; not a hot path: it costs time);
 
 (the hot paths' installers are listed once, in ``fasttrain.hot_paths.REGISTRY``, which ``apply`` and ``settle`` read)
 
@@ -32,7 +33,7 @@ from typing import Any
 
 from .._logging import follow_trainer_log_level, log_once, show_status_line
 from ..hot_paths import REGISTRY, HotPath, HotPaths
-from . import budget, loss, settle
+from . import budget, loss, settle, tiling
 from .ledger import Seam, attach, find_seam, seam_of
 from .trainer_api import deepspeed_config, launched_alone_problem
 
@@ -68,6 +69,7 @@ def apply(
     for path in REGISTRY:
         if path.always_armed or getattr(seam.paths, path.name):
             installer(path).arm(trainer, seam)
+    tiling.arm(trainer, seam)  # opt-in (FASTTRAIN_TILED_MLP), not a hot path: see integration/tiling.py
 
 
 def installer(path: HotPath) -> ModuleType:

@@ -39,6 +39,7 @@ kind (a quantized linear, a custom layer) leaves that MLP plain, logged once at 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 from collections.abc import Callable, Sequence
@@ -46,6 +47,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import stateless as _stateless
 
 from .._logging import log_once
 
@@ -60,6 +62,9 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_TOKENS = 4096
+# torch's own parameter swap (torch.func.functional_call's), without the module call and its hooks; where a torch
+# lacks it, the recomputation differentiates the parameters themselves (their Tensor hooks then fire per chunk)
+_reparametrize = getattr(_stateless, "_reparametrize_module", None)
 _STATE_ATTR = "_fasttrain_tiled_mlp"
 _MISSING = object()
 
@@ -96,11 +101,22 @@ class TiledMLP(torch.autograd.Function):
         grad_x = torch.empty_like(rows) if want_x else None
         sums: list[torch.Tensor | None] = [None] * len(params)
         device, autocast_on, autocast_dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast_on):
+        targets = [params[i] for i in wanted]
+        aliasing = getattr(run, "aliasing", None)
+        if aliasing is not None:  # gradients taken for detached aliases: the parameters' own hooks fire once
+            targets = [p.detach().requires_grad_() for p in targets]
+            swapped = aliasing(wanted, targets)
+        else:
+            swapped = contextlib.nullcontext()
+        with (
+            torch.enable_grad(),
+            torch.autocast(device, dtype=autocast_dtype, enabled=autocast_on),
+            swapped,
+        ):
             for start in range(0, rows.shape[0], chunk):
                 part = rows[start : start + chunk].detach().requires_grad_(want_x)
                 out = run(part)
-                inputs = ([part] if want_x else []) + [params[i] for i in wanted]
+                inputs = ([part] if want_x else []) + targets
                 grads = torch.autograd.grad(
                     out, inputs, grad_rows[start : start + part.shape[0]], allow_unused=True
                 )
@@ -199,7 +215,11 @@ def _tiled_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) 
         return original(x, *args, **kwargs)
     if x.numel() // x.shape[-1] <= state.min_tokens:
         return original(x)
-    params = [p for p in self.parameters() if p.requires_grad]
+    names, params = [], []
+    for name, p in self.named_parameters():
+        if p.requires_grad:
+            names.append(name)
+            params.append(p)
     if not params and not x.requires_grad:
         return original(x)
     problem = _call_problem(self, params)
@@ -210,7 +230,26 @@ def _tiled_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) 
         )
         return original(x)
     state.calls += 1
-    return TiledMLP.apply(original, state.chunk_tokens, x, *params)
+    run = original if _reparametrize is None else _ModuleRun(self, original, names)
+    return TiledMLP.apply(run, state.chunk_tokens, x, *params)
+
+
+class _ModuleRun:
+    """A module's own forward on one chunk; ``aliasing`` puts tensors in place of some of its parameters (by name)
+    for the recomputation, so that autograd.grad is taken for those tensors, not for the parameters: a hook on a
+    parameter (``Tensor.register_hook``) then sees its gradient once, when autograd accumulates the sum."""
+
+    __slots__ = ("forward", "module", "names")
+
+    def __init__(self, module: nn.Module, forward: Callable[..., Any], names: list[str]) -> None:
+        self.module, self.forward, self.names = module, forward, names
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
+
+    def aliasing(self, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> Any:
+        swap = {self.names[i]: t for i, t in zip(indices, tensors, strict=True)}
+        return _reparametrize(self.module, swap)
 
 
 def _wrapper() -> Callable[..., Any]:
