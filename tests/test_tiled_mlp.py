@@ -27,11 +27,13 @@ pytestmark = pytest.mark.numeric
 # fp32: the same arithmetic, the parameters' gradients summed chunk by chunk (another order of summation): twice the
 # plain MLP's distance to float64, plus 4 fp32 roundings of the value where the plain one lands on it by chance.
 FP32 = {"k": 2.0, "ulps": 4.0}
-# bf16 (autocast or stored): both round the projections' inputs and outputs to bf16; a chunk's parameter gradient is
-# rounded to bf16 before the sum (stored bf16) where the plain one is rounded once: twice the plain MLP's distance
-# plus 1/2 ulp of bf16 (one more rounding of the sum, ours only).
+# bf16 or fp16 (autocast or stored): both round the projections' inputs and outputs to the half dtype; a chunk's
+# parameter gradient is rounded to it before the sum (stored) where the plain one is rounded once: twice the plain
+# MLP's distance plus 1/2 ulp of the dtype (one more rounding of the sum, ours only).
 HALF = {"k": 2.0, "ulps": 0.5}
-BOUNDS = {"fp32": FP32, "autocast_bf16": HALF, "bf16": HALF}
+BOUNDS = {"fp32": FP32, "autocast_bf16": HALF, "bf16": HALF, "autocast_fp16": HALF, "fp16": HALF}
+STORED = {"bf16": torch.bfloat16, "fp16": torch.float16}
+AUTOCAST = {"autocast_bf16": torch.bfloat16, "autocast_fp16": torch.float16}
 
 
 class Layer(torch.nn.Module):
@@ -57,7 +59,8 @@ def _grads(module: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor |
 
 def _run(module, x, grad, dtype_case, through=None):
     x = x.clone().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype_case == "autocast_bf16"):
+    autocast = AUTOCAST.get(dtype_case)
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         y = module(x) if through is None else through(module, x)
     y.backward(grad.to(y.dtype))
     return y.detach(), _grads(module, x)
@@ -66,9 +69,9 @@ def _run(module, x, grad, dtype_case, through=None):
 def _three(dtype_case: str, chunk: int, min_tokens: int = 0, **layer):
     """The truth (float64), the reference (plain, in the case's dtype) and ours (tiled)."""
     ref = Layer(**layer)
-    if dtype_case == "bf16":
-        ref = ref.to(torch.bfloat16)
-    truth = copy.deepcopy(ref).double()  # the weights the others hold, bf16-rounded ones included
+    if dtype_case in STORED:
+        ref = ref.to(STORED[dtype_case])
+    truth = copy.deepcopy(ref).double()  # the weights the others hold, rounded to bf16/fp16 ones included
     ours = copy.deepcopy(ref)
     assert enable_tiled_mlp(ours, chunk_tokens=chunk, min_tokens=min_tokens) == 1
     return truth, ref, ours
@@ -78,8 +81,8 @@ def _inputs(shape, hidden, dtype_case, seed=1):
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(*shape, hidden, generator=generator)
     grad = torch.randn(*shape, hidden, generator=generator)
-    if dtype_case == "bf16":
-        x, grad = x.bfloat16(), grad.bfloat16()
+    if dtype_case in STORED:
+        x, grad = x.to(STORED[dtype_case]), grad.to(STORED[dtype_case])
     return x, grad
 
 
