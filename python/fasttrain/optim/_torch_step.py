@@ -72,12 +72,31 @@ def step(
         return
     work = torch.promote_types(params[0].dtype, torch.float32)
     offsets = [0] * len(params) if offsets is None else offsets
-    for batch in _batches(list(range(len(params))), lambda i: params[i].numel()):
-        _staged(
-            [params[i] for i in batch], [grads[i] for i in batch], [states[i] for i in batch], lay, work,
-            amsgrad=amsgrad, sr_seed=sr_seed, salts=[salts[i] for i in batch], offsets=[offsets[i] for i in batch],
-            found_inf=found_inf, **hyper,
-        )  # fmt: skip
+    pieces = list(_pieces(params, grads, states, lay, salts, offsets))
+    for batch in _batches(pieces, lambda piece: piece[0].numel()):
+        p, g, st, sa, off = (list(column) for column in zip(*batch, strict=True))
+        _staged(p, g, st, lay, work, amsgrad=amsgrad, sr_seed=sr_seed, salts=sa, offsets=off, found_inf=found_inf,
+                **hyper)  # fmt: skip
+
+
+def _pieces(params, grads, states, lay: Layout, salts, offsets) -> Iterator[tuple]:
+    """(param, grad, state, salt, offset) per tensor, a tensor larger than a staged batch cut into flat slices of
+    STAGE_ELEMENTS (views: the step writes through them): its working copies then cost one batch, not the tensor
+    (a 4B model's 389M-element embedding staged whole would want ~10 GB of fp32 and int64 temporaries). Every
+    operation is per element, the 8-bit blocks are whole (a slice that would split one is not made) and the
+    stochastic rounding's bits follow the global index (``offset``): the slices' step is the whole tensor's, bit
+    for bit."""
+    for p, g, s, salt, offset in zip(params, grads, states, salts, offsets, strict=True):
+        n = p.numel()
+        sliceable = n > STAGE_ELEMENTS and p.is_contiguous() and g.is_contiguous()
+        starts = range(0, n, STAGE_ELEMENTS)
+        slices = [lay.state_slice(s, a, min(a + STAGE_ELEMENTS, n)) for a in starts] if sliceable else [None]
+        if any(part is None for part in slices):
+            yield p, g, s, salt, offset
+            continue
+        flat_p, flat_g = p.view(-1), g.view(-1)
+        for a, part in zip(starts, slices, strict=True):
+            yield flat_p[a : a + STAGE_ELEMENTS], flat_g[a : a + STAGE_ELEMENTS], part, salt, offset + a
 
 
 def _staged(

@@ -145,6 +145,13 @@ class FullPrecision:
         if state[name] is not value:
             state[name].copy_(value)
 
+    def state_slice(self, state: dict[str, Any], start: int, stop: int) -> dict[str, Any] | None:
+        """The state of elements ``start:stop`` of the flattened parameter, as views (None: cannot be sliced)."""
+        names = [n for n in MOMENTS if n in state]
+        if not all(state[n].is_contiguous() for n in names):
+            return None
+        return {"step": state["step"], **{n: state[n].view(-1)[start:stop] for n in names}}
+
 
 @dataclasses.dataclass(frozen=True)
 class Blockwise8:
@@ -278,6 +285,21 @@ class Blockwise8:
         return [
             blockwise8.dequantize(s[f"{name}_codes"], s[f"{name}_absmax"], SIGNED[name], work) for s in states
         ]
+
+    def state_slice(self, state: dict[str, Any], start: int, stop: int) -> dict[str, Any] | None:
+        """The codes and absmax of elements ``start:stop`` (``start`` a multiple of the block) of the flattened
+        parameter, as views; None for row blocks (a DTensor's) or a slice that would split a block."""
+        names = [n for n in MOMENTS if f"{n}_codes" in state]
+        if start % blockwise8.BLOCK or any(state[f"{n}_absmax"].dim() != 1 for n in names):
+            return None
+        if not all(state[f"{n}_codes"].is_contiguous() for n in names):
+            return None
+        blocks = slice(start // blockwise8.BLOCK, blockwise8.n_blocks(stop))
+        out: dict[str, Any] = {"step": state["step"]}
+        for n in names:
+            out[f"{n}_codes"] = state[f"{n}_codes"].view(-1)[start:stop]
+            out[f"{n}_absmax"] = state[f"{n}_absmax"][blocks]
+        return out
 
     def store(self, state: dict[str, Any], name: str, value: torch.Tensor, found_inf: Any) -> None:
         # requantizing is not idempotent: a step skipped for found_inf keeps the stored codes
