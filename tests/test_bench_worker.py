@@ -217,3 +217,15 @@ def test_real_tokens_are_counted_alike_for_padded_and_packed_batches():
     model.train()
     model(input_ids=packed)
     assert counter.total() == 15
+
+
+def test_a_built_in_model_in_bf16_is_the_fp32_init_rounded():
+    """Built directly in bf16 (a 4B shape built in fp32 first would need twice its bf16 memory), with the weights an
+    fp32 init cast to bf16 gives: every bf16 contender starts from the fp32 contenders' weights, rounded."""
+    from fasttrain.bench import models
+
+    fp32 = models.build_model("tiny", 32, 0, "cpu", torch.float32)
+    bf16 = models.build_model("tiny", 32, 0, "cpu", torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())
+    for (name, a), b in zip(fp32.state_dict().items(), bf16.state_dict().values(), strict=True):
+        assert torch.equal(a.to(torch.bfloat16), b), name

@@ -45,6 +45,8 @@ class BenchConfig:
     # the length frontier on cuda: bytes this process may allocate (torch's per-process memory fraction); on cpu
     # the parent watches the child's resident memory instead (runner.run_one)
     memory_budget: int | None = None
+    # the Trainer's max_grad_norm where a contender needs another (the optimizer step inside backward needs 0)
+    max_grad_norm: float | None = None
     # --profile: this run profiles its last optimizer step (bench/profile.py); its timings are not reported
     profile: bool = False
 
@@ -80,6 +82,7 @@ class Contender:
     name: str
     trainer: str  # "reference" | "fasttrain" | "liger"
     disable: str | None = None  # FASTTRAIN_DISABLE for the child
+    optim_args: str | None = None  # FASTTRAIN_OPTIM_ARGS for the child: FusedAdamW's options (optim/options.py)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -111,6 +114,8 @@ def training_kwargs(config: BenchConfig, contender: Contender, output_dir: str, 
         # No include_num_input_tokens_seen: the worker counts real tokens itself, at the model's input, the
         # same way for padded and packed batches (the Trainer's count would keep fasttrain's packing off).
     )
+    if config.max_grad_norm is not None:
+        kwargs["max_grad_norm"] = config.max_grad_norm
     if config.gradient_checkpointing:
         kwargs["gradient_checkpointing"] = True
     if config.group_by_length:

@@ -33,6 +33,7 @@ BUILTIN_SHAPES: dict[str, Shape] = {
     "qwen3-cpu": Shape(128, 2, 4, 2, 32, 384),
     "qwen3-0.6b": Shape(1024, 28, 16, 8, 128, 3072),
     "qwen3-1.7b": Shape(2048, 28, 16, 8, 128, 6144),
+    "qwen3-4b": Shape(2560, 36, 32, 8, 128, 9728),
 }
 
 
@@ -148,10 +149,11 @@ def build_model(spec: str, seq_len: int, seed: int, device: str, dtype):
 
     if spec in BUILTIN_SHAPES:
         torch.manual_seed(seed)
-        # Initialise directly on the device: a 0.6B model in fp32 on the host first would cost seconds and GBs.
+        # Initialise directly on the device and in the dtype: a 0.6B model in fp32 on the host first would cost
+        # seconds and GBs, a 4B one in fp32 before its cast to bf16 twice the bf16 model's memory. The weights are
+        # the ones an fp32 init cast to the dtype would give (the initialisers draw in fp32 and round).
         with torch.device(device):
-            model = Qwen3ForCausalLM(builtin_config(spec, seq_len))
-        return model.to(dtype=dtype)
+            return Qwen3ForCausalLM._from_config(builtin_config(spec, seq_len), dtype=dtype)
     local = looks_like_local_path(spec)
     try:
         model = AutoModelForCausalLM.from_pretrained(

@@ -64,6 +64,9 @@ def _child_env(contender: Contender) -> dict[str, str]:
     env.pop("FASTTRAIN_DISABLE", None)
     if contender.disable:
         env["FASTTRAIN_DISABLE"] = contender.disable
+    env.pop("FASTTRAIN_OPTIM_ARGS", None)
+    if contender.optim_args:
+        env["FASTTRAIN_OPTIM_ARGS"] = contender.optim_args
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 
