@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import types
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ import _tiny as tiny
 import _truth
 import fasttrain
 from _truth_ops import assert_all_truth
-from fasttrain.integration.tiling import chunk_tokens
+from fasttrain.integration.tiling import chunk_tokens, engine_problem
 from fasttrain.tiling import TiledMLP, disable_tiled_mlp, enable_tiled_mlp, tiled_mlp_calls
 
 pytestmark = pytest.mark.numeric
@@ -270,6 +271,44 @@ def test_lora_dropout_in_training_runs_plain():
     ours.train()
     ours(x.requires_grad_()).sum().backward()
     assert tiled_mlp_calls(ours) == 0
+
+
+def test_gathered_parameters_run_plain():
+    """Parameters gathered by module hooks (a ZeRO-3 partition, FSDP1's views in place of the parameters) would not
+    be there, or not be differentiated, in the recomputation: those calls run the plain forward."""
+    _, ref, ours = _three("fp32", 100, 0)
+    x, grad = _inputs((2, 500), 32, "fp32")
+    ours.mlp.up_proj.weight.ds_id = 7
+    _run(ours, x, grad, "fp32")
+    assert tiled_mlp_calls(ours) == 0
+    del ours.mlp.up_proj.weight.ds_id
+    view = (
+        ours.mlp.down_proj.weight * 1.0
+    )  # a tensor read in place of the parameter, as FSDP1 sets in the forward
+    del ours.mlp.down_proj.weight
+    ours.mlp.down_proj.weight = view
+    ref.zero_grad(set_to_none=True)
+    y_ref, _ = _run(ref, x, grad, "fp32")
+    y_ours, _ = _run(ours, x, grad, "fp32")
+    assert tiled_mlp_calls(ours) == 0
+    assert torch.equal(y_ours, y_ref)
+    assert ours.mlp.gate_proj.weight.grad is not None
+
+
+@pytest.mark.parametrize(
+    ("fsdp", "deepspeed", "problem"),
+    [
+        (False, None, None),
+        (False, {"zero_optimization": {"stage": 2}}, None),
+        (False, {"zero_optimization": {"stage": 3}}, "DeepSpeed ZeRO-3"),
+        (True, None, "FSDP"),
+    ],
+)
+def test_engines_that_gather_in_hooks_leave_the_mlps_plain(fsdp, deepspeed, problem):
+    said = engine_problem(
+        types.SimpleNamespace(is_fsdp_enabled=fsdp), types.SimpleNamespace(deepspeed=deepspeed)
+    )
+    assert said is None if problem is None else said.startswith(problem)
 
 
 def test_other_projections_stay_plain():

@@ -71,6 +71,10 @@ def _train_starts(trainer: Any, original: Callable[..., Any], *args: Any, **kwar
     state = _STATE[seam]
     model = trainer.model
     if getattr(trainer, "is_in_train", False) and model is not None and not state.models:
+        problem = engine_problem(trainer, seam)
+        if problem is not None:
+            _say(seam, state, 0, problem)
+            return original(*args, **kwargs)
         state.wrapped = enable_tiled_mlp(model, chunk_tokens=state.chunk)
         state.models.append(model)
         if not state.wrapped:
@@ -82,6 +86,17 @@ def _train_starts(trainer: Any, original: Callable[..., Any], *args: Any, **kwar
     return original(*args, **kwargs)
 
 
+def engine_problem(trainer: Any, seam: Seam) -> str | None:
+    """Why the MLPs stay plain under this trainer's engine: FSDP (1 or 2) and ZeRO-3 gather the parameters in module
+    hooks that the recomputation in backward does not run."""
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return "FSDP gathers the MLP's parameters in module hooks the recomputation in backward skips"
+    zero = (seam.deepspeed or {}).get("zero_optimization") or {}
+    if str(zero.get("stage", 0)) == "3":
+        return "DeepSpeed ZeRO-3 gathers the MLP's parameters in module hooks the recomputation in backward skips"
+    return None
+
+
 def _ran(state: _Tiling) -> int:
     from ..tiling.mlp import tiled_mlp_calls
 
@@ -91,14 +106,16 @@ def _ran(state: _Tiling) -> int:
 def _step(trainer: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     result = original(*args, **kwargs)
     seam = seam_of(trainer)
-    if not seam.logged:  # the status line is written after the first optimizer step
-        state = _STATE[seam]
+    state = _STATE[seam]
+    if not seam.logged and state.models:  # the status line is written after the first optimizer step
         _say(seam, state, _ran(state))
     return result
 
 
-def _say(seam: Seam, state: _Tiling, ran: int) -> None:
-    if ran:
+def _say(seam: Seam, state: _Tiling, ran: int, problem: str | None = None) -> None:
+    if problem is not None:
+        text = f"tiled_mlp=off: {problem}"
+    elif ran:
         text = f"tiled_mlp=on ({state.wrapped} MLPs, chunks of {state.chunk} tokens, {ran} tiled forwards)"
     elif state.wrapped:
         text = f"tiled_mlp=off: no micro-batch had more than {state.chunk} tokens ({ENV}={state.chunk})"

@@ -27,8 +27,11 @@ threshold (``min_tokens``) the wrapper calls the module's own forward: bit for b
 
 - gradients are off (``torch.no_grad()``, inference mode) or nothing under the MLP, nor its input, needs one;
 - the call's tokens (every dimension but the last) are at most ``min_tokens``;
-- a parameter is a DTensor (FSDP2), a DeepSpeed ZeRO-3 partition (``ds_id``) or an FSDP1 flat-parameter view: the
-  recomputation in backward calls the forward without the module hooks that gather them (logged once);
+- a parameter is a DTensor (FSDP2), a DeepSpeed ZeRO-3 partition (``ds_id``), or a projection reads a tensor that
+  is not a registered parameter (FSDP1's flat-parameter views): the recomputation in backward calls the forward
+  without the module hooks that gather them, or would not differentiate them (logged once). Under FSDP2 the
+  parameters the forward sees are plain unsharded ones, which this check cannot tell apart: the Trainer's
+  integration leaves the MLPs unwrapped under FSDP and ZeRO-3 (``fasttrain.integration.tiling``);
 - a dropout with ``p > 0`` under the MLP is in training mode: the recomputation would draw another mask (logged
   once).
 
@@ -196,6 +199,13 @@ def tiling_problem(mlp: nn.Module) -> str | None:
 
 def _call_problem(mlp: nn.Module, params: Sequence[torch.Tensor]) -> str | None:
     """Why this call cannot be tiled although the module can (what may change between calls)."""
+    for module in mlp.modules():
+        if isinstance(module, nn.Linear) and not all(
+            t is None or isinstance(t, nn.Parameter) for t in (module.weight, module.bias)
+        ):
+            # FSDP1 puts views of its flat parameter in place of the parameters during the forward: autograd.grad
+            # would differentiate neither them nor the flat parameter
+            return "its projections read tensors that are not registered parameters (FSDP1's views)"
     for p in params:
         if hasattr(p, "ds_id"):
             return "its parameters are DeepSpeed ZeRO-3 partitions (gathered by module hooks the recomputation skips)"
