@@ -94,3 +94,21 @@ def test_frontier_end_to_end_under_a_budget(tmp_path):
     assert all(p["peak_bytes"] <= 2.2 * 2**30 for p in fasttrain if p["fits"])
     assert data["complete"] and data["provenance"]["command"].startswith("fasttrain bench --frontier")
     assert "longest length" in done.stdout
+
+
+def test_model_frontier_runs_each_setting_and_reports_bytes_per_parameter(tmp_path):
+    """The model-size frontier's runs on the tiny shape: the lean setting goes through the Trainer with the step
+    inside backward (its status says so), the reference with its own AdamW, each under the parent's budget."""
+    command = [sys.executable, "-m", "fasttrain.bench.model_frontier", "--shapes", "tiny", "--seq-len", "32",
+               "--contenders", "reference-fp32,fasttrain-lean", "--memory-budget", "6GiB", "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads((tmp_path / "model_frontier_cpu.json").read_text())
+    rows = {r["contender"]: r for r in data["rows"]}
+    assert set(rows) == {"reference-fp32", "fasttrain-lean"} and all(r["fits"] for r in rows.values())
+    assert "stepping in backward" in rows["fasttrain-lean"]["optimizer"]
+    assert rows["reference-fp32"]["optimizer"] is None  # the reference Trainer has no fasttrain status
+    for r in rows.values():
+        assert r["bytes_per_parameter"] == r["peak_bytes"] / r["parameters"] and len(r["losses"]) == 2
+    assert data["provenance"]["command"].startswith("python -m fasttrain.bench.model_frontier")
+    assert (tmp_path / "model_frontier_cpu.png").stat().st_size > 0
