@@ -262,15 +262,47 @@ def test_lora_projections():
     )
 
 
-def test_lora_dropout_in_training_runs_plain():
+@pytest.mark.parametrize("dtype_case", ["fp32", "autocast_bf16"])
+def test_lora_dropout_replays_its_masks(dtype_case):
+    """LoRA's dropout in training: the tiled forward draws a mask per chunk and the backward replays the same draws.
+    The reference and the truth run the plain module over the same chunks in the same order from the same seed
+    (so they draw the same masks); the output equals the reference's bit for bit, the gradients are bounded by the
+    truth, and the generator ends where the reference's does (the replay leaves it as it was)."""
     peft = pytest.importorskip("peft")
-    config = peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj"], lora_dropout=0.1)
-    ours = peft.get_peft_model(Layer(), config)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"], lora_dropout=0.3
+    )
+    ref = peft.get_peft_model(Layer(), config)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    truth, ours = copy.deepcopy(ref).double(), copy.deepcopy(ref)
+    for module in (truth, ref, ours):
+        module.train()
     assert enable_tiled_mlp(ours, chunk_tokens=100, min_tokens=0) == 1
-    x, _ = _inputs((2, 500), 32, "fp32")
-    ours.train()
-    ours(x.requires_grad_()).sum().backward()
-    assert tiled_mlp_calls(ours) == 0
+
+    def chunkwise(module, x):  # the plain MLP over the chunks the tiled one takes, in its order
+        mlp = module.base_model.model.mlp
+        return torch.cat([mlp(part) for part in x.reshape(-1, 32).split(100)]).view(x.shape)
+
+    def seeded(module, x):
+        torch.manual_seed(5)
+        return module(x) if module is ours else chunkwise(module, x)
+
+    x, grad = _inputs((2, 450), 32, "fp32")
+    y_truth, g_truth = _run(truth, x.double(), grad.double(), "fp64", seeded)
+    y_ref, g_ref = _run(ref, x, grad, dtype_case, seeded)
+    after_ref = torch.get_rng_state()
+    y_ours, g_ours = _run(ours, x, grad, dtype_case, seeded)
+    assert torch.equal(torch.get_rng_state(), after_ref)
+    assert tiled_mlp_calls(ours) == 1
+    assert torch.equal(y_ours, y_ref)
+    trained = [n for n in g_truth if g_truth[n] is not None]
+    assert_all_truth(
+        [("output", y_ours, y_ref, y_truth), *[(n, g_ours[n], g_ref[n], g_truth[n]) for n in trained]],
+        **BOUNDS[dtype_case],
+    )
 
 
 def test_gathered_parameters_run_plain():

@@ -18,6 +18,10 @@ once per parameter, as for the plain module. DeepSpeed's ``TiledMLP`` and Liger'
 chunk), and their recomputation runs under the autocast of wherever ``backward()`` is called (fp32 for a Trainer's
 bf16 run) instead of the forward's; tests/test_tiled_mlp.py holds ours to both.
 
+A dropout under the MLP (LoRA's ``lora_dropout`` while training) draws its masks chunk by chunk; the backward replays
+the random generators' states of the forward (CPU and the input's device, as ``torch.utils.checkpoint`` does), so
+it differentiates the masks the forward used.
+
 Each chunk's forward is the module's own, so the output rows equal the plain module's up to how the matmul
 library blocks the rows; the parameters' gradients are summed in another order (chunk by chunk). Below the
 threshold (``min_tokens``) the wrapper calls the module's own forward: bit for bit the plain module.
@@ -32,8 +36,6 @@ threshold (``min_tokens``) the wrapper calls the module's own forward: bit for b
   without the module hooks that gather them, or would not differentiate them (logged once). Under FSDP2 the
   parameters the forward sees are plain unsharded ones, which this check cannot tell apart: the Trainer's
   integration leaves the MLPs unwrapped under FSDP and ZeRO-3 (``fasttrain.integration.tiling``);
-- a dropout with ``p > 0`` under the MLP is in training mode: the recomputation would draw another mask (logged
-  once).
 
 An MLP is tiled only when its children are projections (``*_proj``: ``nn.Linear``, or PEFT LoRA layers over an
 ``nn.Linear``) and parameter-free modules (the activation): the shape of a token-wise MLP. A projection of another
@@ -81,6 +83,8 @@ class TiledMLP(torch.autograd.Function):
         ctx.run, ctx.chunk, ctx.params = run, chunk, params
         device = x.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        # a dropout under the module draws its masks chunk by chunk: the recomputation replays the same draws
+        ctx.rng = _rng_states(x.device) if getattr(run, "draws_random", False) else None
         ctx.save_for_backward(x)
         rows = x.reshape(-1, x.shape[-1])
         out = None
@@ -105,7 +109,7 @@ class TiledMLP(torch.autograd.Function):
         sums: list[torch.Tensor | None] = [None] * len(params)
         device, autocast_on, autocast_dtype = ctx.autocast
         targets = [params[i] for i in wanted]
-        aliasing = getattr(run, "aliasing", None)
+        aliasing = getattr(run, "aliasing", None) if _reparametrize is not None else None
         if aliasing is not None:  # gradients taken for detached aliases: the parameters' own hooks fire once
             targets = [p.detach().requires_grad_() for p in targets]
             swapped = aliasing(wanted, targets)
@@ -115,6 +119,7 @@ class TiledMLP(torch.autograd.Function):
             torch.enable_grad(),
             torch.autocast(device, dtype=autocast_dtype, enabled=autocast_on),
             swapped,
+            _replayed(x.device, ctx.rng),
         ):
             for start in range(0, rows.shape[0], chunk):
                 part = rows[start : start + chunk].detach().requires_grad_(want_x)
@@ -138,6 +143,28 @@ class TiledMLP(torch.autograd.Function):
             s if s is None or s.dtype == p.dtype else s.to(p.dtype) for s, p in zip(sums, params, strict=True)
         ]
         return (None, None, None if grad_x is None else grad_x.view(x.shape), *param_grads)
+
+
+def _rng_states(device: torch.device) -> list[torch.Tensor]:
+    """The CPU generator's state, and the device's where the input lives on one (as torch.utils.checkpoint keeps)."""
+    states = [torch.get_rng_state()]
+    if device.type != "cpu":
+        states.append(getattr(torch, device.type).get_rng_state(device))
+    return states
+
+
+@contextlib.contextmanager
+def _replayed(device: torch.device, states: list[torch.Tensor] | None):
+    """The generators set to ``states`` inside, and back to where they were after (nothing when None)."""
+    if states is None:
+        yield
+        return
+    devices = [device] if len(states) > 1 else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        torch.set_rng_state(states[0])
+        if devices:
+            getattr(torch, device.type).set_rng_state(states[1], device)
+        yield
 
 
 def tiled_mlp(
@@ -211,11 +238,16 @@ def _call_problem(mlp: nn.Module, params: Sequence[torch.Tensor]) -> str | None:
             return "its parameters are DeepSpeed ZeRO-3 partitions (gathered by module hooks the recomputation skips)"
         if type(p).__name__ == "DTensor" or getattr(p, "_is_sharded", False) or hasattr(p, "_fsdp_flattened"):
             return "its parameters are FSDP-managed (unsharded by module hooks the recomputation skips)"
-    if mlp.training:
-        for module in mlp.modules():
-            if isinstance(module, nn.Dropout) and module.p > 0 and module.training:
-                return "a dropout under it is active in training (the recomputation would draw another mask)"
     return None
+
+
+def _draws_random(mlp: nn.Module) -> bool:
+    """Whether a dropout under ``mlp`` draws a mask in this call (LoRA's ``lora_dropout`` while training)."""
+    return any(
+        module.training and module.p > 0
+        for module in mlp.modules()
+        if isinstance(module, nn.modules.dropout._DropoutNd)
+    )
 
 
 def _tiled_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -240,7 +272,7 @@ def _tiled_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) 
         )
         return original(x)
     state.calls += 1
-    run = original if _reparametrize is None else _ModuleRun(self, original, names)
+    run = _ModuleRun(self, original, names, _draws_random(self))
     return TiledMLP.apply(run, state.chunk_tokens, x, *params)
 
 
@@ -249,10 +281,12 @@ class _ModuleRun:
     for the recomputation, so that autograd.grad is taken for those tensors, not for the parameters: a hook on a
     parameter (``Tensor.register_hook``) then sees its gradient once, when autograd accumulates the sum."""
 
-    __slots__ = ("forward", "module", "names")
+    __slots__ = ("draws_random", "forward", "module", "names")
 
-    def __init__(self, module: nn.Module, forward: Callable[..., Any], names: list[str]) -> None:
-        self.module, self.forward, self.names = module, forward, names
+    def __init__(
+        self, module: nn.Module, forward: Callable[..., Any], names: list[str], draws_random: bool
+    ) -> None:
+        self.module, self.forward, self.names, self.draws_random = module, forward, names, draws_random
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward(x)
