@@ -399,19 +399,24 @@ def _train(trainer_cls, tmp_path, name, truth=False, **arg_overrides):
     return trainer
 
 
-@pytest.mark.parametrize("gradient_checkpointing", [False, True])
-def test_trainer_steps_near_truth(tmp_path, monkeypatch, caplog, gradient_checkpointing):
+@pytest.mark.parametrize(("gradient_checkpointing", "bf16"), [(False, False), (True, False), (False, True)])
+def test_trainer_steps_near_truth(tmp_path, monkeypatch, caplog, gradient_checkpointing, bf16):
     """fasttrain.Trainer with FASTTRAIN_TILED_MLP=64 (micro-batches of 400 to 800 tokens: every MLP tiled) against
     the same Trainer without it: loss and grad_norm at every step, and the trained weights, as close to the float64
-    plain Trainer as the untiled run is; the status line names the path with its evidence."""
+    plain Trainer as the untiled run is; the status line names the path with its evidence. bf16: autocast, the truth
+    without it (as tests/test_trainer_parity.py)."""
     common = dict(gradient_checkpointing=gradient_checkpointing)
     truth = _train(transformers.Trainer, tmp_path, "truth", truth=True, **common)
+    common["bf16"] = bf16
     ref = _train(fasttrain.Trainer, tmp_path, "ref", **common)
     monkeypatch.setenv("FASTTRAIN_TILED_MLP", "64")
     with caplog.at_level(logging.INFO, logger="fasttrain"):
         ours = _train(fasttrain.Trainer, tmp_path, "ours", **common)
-    _truth.assert_logs_near_truth(ours, ref, truth, _truth.FP32_STEP, keys=("loss", "grad_norm"))
-    _truth.assert_params_near_truth(ours.model, ref.model, truth.model)
+    if bf16:
+        _truth.assert_logs_near_truth(ours, ref, truth, _truth.BF16_STEP, keys=("loss", "grad_norm"))
+    else:
+        _truth.assert_logs_near_truth(ours, ref, truth, _truth.FP32_STEP, keys=("loss", "grad_norm"))
+        _truth.assert_params_near_truth(ours.model, ref.model, truth.model)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fasttrain hot paths:")]
     assert len(lines) == 1 and "tiled_mlp=on (2 MLPs, chunks of 64 tokens, " in lines[0], lines
     assert ours.fasttrain_status == ref.fasttrain_status  # the hot paths' own entries are unchanged
