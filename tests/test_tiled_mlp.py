@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import types
 
 import pytest
@@ -166,6 +167,27 @@ def test_tensor_hooks_see_one_gradient():
     x, grad = _inputs((2, 1000), 32, "fp32")
     ours(x.requires_grad_()).backward(grad)
     assert seen == dict.fromkeys((name for name, _ in ours.named_parameters()), 1)
+
+
+def test_saves_only_its_input():
+    """What the forward keeps for the backward: the plain MLP keeps [tokens, intermediate] tensors, the tiled one
+    only its input (the memory it removes)."""
+    _, ref, ours = _three("fp32", 256, 0)
+    x, _ = _inputs((2, 1000), 32, "fp32")
+    for module, most in ((ref, None), (ours, 2000 * 32)):
+        shapes = []
+
+        def pack(t, shapes=shapes):
+            shapes.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            module(x.clone().requires_grad_())
+        saved = sum(math.prod(shape) for shape in shapes)
+        if most is None:
+            assert saved >= 3 * 2000 * 64, shapes  # gate, up and their product at least
+        else:
+            assert saved <= most, shapes
 
 
 def test_below_threshold_is_the_plain_module_bit_for_bit():
