@@ -365,6 +365,48 @@ def test_engines_that_gather_in_hooks_leave_the_mlps_plain(fsdp, deepspeed, prob
     assert said is None if problem is None else said.startswith(problem)
 
 
+def test_last_projection_not_recomputed():
+    """The recomputation stands in for down_proj's product (the backward needs only its input): its output in the
+    backward comes from the deferred linear, and the gradients are the truth's (test_chunks_match_truth)."""
+    *_, ours = _three("fp32", 100, 0)
+    made_by = []
+    ours.mlp.down_proj.register_forward_hook(
+        lambda module, args, out: made_by.append(out.grad_fn and out.grad_fn.name())
+    )
+    x, grad = _inputs((1, 300), 32, "fp32")
+    ours(x.requires_grad_()).backward(grad)
+    assert (
+        made_by == [None] * 3 + ["_DeferredLinearBackward"] * 3
+    )  # 3 chunks under no_grad, then 3 in backward
+
+
+@pytest.mark.parametrize("dtype_case", ["fp32", "autocast_bf16"])
+def test_more_after_the_last_projection(dtype_case):
+    """An MLP that does more with down_proj's output than return it: the chunks are recomputed whole."""
+
+    class Scaled(transformers.models.qwen3.modeling_qwen3.Qwen3MLP):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    def scaled(layer):
+        scaled_mlp = Scaled(transformers.Qwen3Config(hidden_size=32, intermediate_size=64))
+        scaled_mlp.to(layer.mlp.down_proj.weight.dtype).load_state_dict(layer.mlp.state_dict())
+        layer.mlp = scaled_mlp
+        return layer
+
+    truth, ref, ours = (scaled(m) for m in _three(dtype_case, 100, 0))
+    assert enable_tiled_mlp(ours, chunk_tokens=100, min_tokens=0) == 1
+    x, grad = _inputs((2, 450), 32, dtype_case)
+    y_truth, g_truth = _run(truth, x.double(), grad.double(), "fp64")
+    y_ref, g_ref = _run(ref, x, grad, dtype_case)
+    y_ours, g_ours = _run(ours, x, grad, dtype_case)
+    assert tiled_mlp_calls(ours) == 1
+    assert_all_truth(
+        [("output", y_ours, y_ref, y_truth), *[(n, g_ours[n], g_ref[n], g_truth[n]) for n in g_truth]],
+        **BOUNDS[dtype_case],
+    )
+
+
 def test_other_projections_stay_plain():
     class Scaled(torch.nn.Linear):
         pass

@@ -123,7 +123,7 @@ class TiledMLP(torch.autograd.Function):
         ):
             for start in range(0, rows.shape[0], chunk):
                 part = rows[start : start + chunk].detach().requires_grad_(want_x)
-                out = run(part)
+                out = run.recompute(part) if hasattr(run, "recompute") else run(part)
                 inputs = ([part] if want_x else []) + targets
                 grads = torch.autograd.grad(
                     out, inputs, grad_rows[start : start + part.shape[0]], allow_unused=True
@@ -143,6 +143,39 @@ class TiledMLP(torch.autograd.Function):
             s if s is None or s.dtype == p.dtype else s.to(p.dtype) for s, p in zip(sums, params, strict=True)
         ]
         return (None, None, None if grad_x is None else grad_x.view(x.shape), *param_grads)
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """``F.linear(h, weight, bias)`` in the backward only: its forward returns an uninitialised tensor of the output's
+    shape and dtype (read by nothing: it is the output whose gradient the recomputation is given), its backward the
+    linear's gradients, in the dtype autocast runs the linear in, each cast back to its input's dtype as autocast's
+    casts do."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        device = h.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            h_in, w_in = h.to(dtype), weight.to(dtype)
+        else:
+            h_in, w_in = h, weight
+        ctx.save_for_backward(h_in, w_in)
+        ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return h_in.new_empty((*h.shape[:-1], weight.shape[0]))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        h_in, w_in = ctx.saved_tensors
+        h_dtype, w_dtype, b_dtype = ctx.dtypes
+        grad = grad.to(w_in.dtype)
+        with torch.autocast(grad.device.type, enabled=False):
+            rows = grad.reshape(-1, grad.shape[-1])
+            grad_h = (grad @ w_in).to(h_dtype) if ctx.needs_input_grad[0] else None
+            grad_w = (
+                (rows.t() @ h_in.reshape(-1, h_in.shape[-1])).to(w_dtype) if ctx.needs_input_grad[1] else None
+            )
+            grad_b = rows.sum(0).to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
+        return grad_h, grad_w, grad_b
 
 
 def _rng_states(device: torch.device) -> list[torch.Tensor]:
@@ -281,14 +314,41 @@ class _ModuleRun:
     for the recomputation, so that autograd.grad is taken for those tensors, not for the parameters: a hook on a
     parameter (``Tensor.register_hook``) then sees its gradient once, when autograd accumulates the sum."""
 
-    __slots__ = ("draws_random", "forward", "module", "names")
+    __slots__ = ("draws_random", "forward", "last", "module", "names")
 
     def __init__(
         self, module: nn.Module, forward: Callable[..., Any], names: list[str], draws_random: bool
     ) -> None:
         self.module, self.forward, self.names, self.draws_random = module, forward, names, draws_random
+        last = getattr(module, "down_proj", None)
+        deferrable = type(last) is nn.Linear and "forward" not in last.__dict__ and not draws_random
+        self.last = last if deferrable else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
+
+    def recompute(self, x: torch.Tensor) -> torch.Tensor:
+        """The chunk's forward again, for its backward. When the module returns its ``down_proj``'s output as it is
+        (a token-wise MLP's last step), that projection's product is not computed again: the backward needs only its
+        input, so ``_DeferredLinear`` stands in for it (a third of the recomputation saved). Where the module does
+        more with that output, the chunk is run again whole, and so are the next ones."""
+        last = self.last
+        if last is None:
+            return self.forward(x)
+        made: list[torch.Tensor] = []
+
+        def deferred(linear: nn.Module, h: torch.Tensor) -> torch.Tensor:
+            made.append(_DeferredLinear.apply(h, linear.weight, linear.bias))
+            return made[-1]
+
+        last.forward = types.MethodType(deferred, last)
+        try:
+            out = self.forward(x)
+        finally:
+            del last.forward
+        if len(made) == 1 and out is made[0]:
+            return out
+        self.last = None
         return self.forward(x)
 
     def aliasing(self, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> Any:
