@@ -21,6 +21,7 @@ MAIN_ONLY = {
     "tooling, not the training path: the bench and its reports, the CLI, the GPU script's options, the examples, "
     "the README, the packaging and the suite's own layout": (
         "test_architecture.py",
+        "test_bench_convergence.py",
         "test_bench_data.py",
         "test_bench_frontier.py",
         "test_bench_limit.py",
