@@ -1,8 +1,9 @@
 """The tiled decoder MLP (``fasttrain.tiling.mlp``) for a Trainer: opt-in, ``FASTTRAIN_TILED_MLP=<tokens>``.
 
 Not a hot path of ``hot_paths.REGISTRY`` (those are on by default): the tiled MLP runs each MLP's forward a second
-time in the backward, which costs more than 2% of a step wherever it tiles (measured on CPU: +4% to +8% of a small
-Qwen3's step), so it is a memory-for-time trade the user asks for. ``FASTTRAIN_TILED_MLP=N`` (``on`` or ``1``: 4096) wraps the decoder
+time in the backward (all but its last projection), which costs more than 2% of a step wherever it tiles on a
+model whose MLP is a sizeable part of the step (measured on CPU, a small Qwen3 whose attention-to-MLP ratio is a
+Qwen3-8B's at 32k tokens: +3% to +4% of a step's CPU time), so it is a memory-for-time trade the user asks for. ``FASTTRAIN_TILED_MLP=N`` (``on`` or ``1``: 4096) wraps the decoder
 MLPs of the trainer's model when ``train()`` builds its training loader (a model built by ``model_init`` too); a
 micro-batch of more than ``N`` tokens runs every MLP in chunks of ``N`` tokens, a shorter one runs the plain module.
 The wrappers come off at the end of training. The status line says whether, and how many times, the MLPs ran tiled

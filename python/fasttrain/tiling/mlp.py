@@ -9,7 +9,7 @@ largest activation memory of a layer after the logits (which the chunked LM head
 ``TiledMLP`` is an autograd Function whose inputs are the MLP's input and, explicitly, every parameter under the
 MLP that requires a gradient. Its forward runs the module's own forward on one chunk of rows at a time under
 ``no_grad`` and saves only the input; its backward runs each chunk's forward again under ``enable_grad`` (and the
-autocast the forward ran under) and takes ``torch.autograd.grad`` of it for the chunk's input and the parameters,
+autocast the forward ran under; ``down_proj``'s product, which the backward does not need, is not computed again) and takes ``torch.autograd.grad`` of it for the chunk's input and the parameters,
 summing the parameters' gradients over the chunks (in float32 for half-precision parameters). It returns the sum:
 autograd accumulates each parameter's gradient once per backward, after the Function's backward returns, so a
 post-accumulate-grad hook (fasttrain's optimizer step inside backward, DDP's reducer, ZeRO-1/2's buckets) fires
