@@ -140,6 +140,27 @@ def main() -> None:
     command = shlex.join(["python", "-m", "fasttrain.bench.model_frontier", *sys.argv[1:]])
     result = {"benchmark": "model_frontier_cpu", "provenance": provenance.record(command_line=command)}
     result.update(args={**vars(a), "out": str(a.out)}, budget_bytes=budget, rows=[])
+    stem = a.out / "model_frontier_cpu"
+    a.out.mkdir(parents=True, exist_ok=True)
+
+    def write(complete: bool) -> str:
+        """The files, rewritten after every run: a run cut short keeps what finished."""
+        result["complete"] = complete
+        body = [
+            f"Budget {budget / 2**30:.2f} GiB of resident memory (watched by the parent); 2 optimizer steps at batch 1 "
+            f"on {a.seq_len} tokens with gradient checkpointing; B/param: peak resident memory over the parameters."
+            + ("" if complete else " Not finished: the runs so far."),
+            "",
+            *table(result["rows"], shapes),
+        ]
+        report.write_json(f"{stem}.json", result)
+        text = "\n".join(
+            ["# The model-size frontier (CPU)", "", provenance.markdown(result["provenance"]), "", *body]
+        )
+        report.write_text(f"{stem}.md", text + "\n")
+        plot(Path(f"{stem}.png"), result["rows"], shapes, budget)
+        return text
+
     with tempfile.TemporaryDirectory(prefix="fasttrain-model-frontier-") as workdir:
         for name in chosen:
             for shape in shapes:
@@ -148,23 +169,10 @@ def main() -> None:
                 print(
                     f"  {'fits' if row['fits'] else 'does not fit'}: {row.get('peak_bytes')}", file=sys.stderr
                 )
+                write(complete=False)
                 if not row["fits"]:
                     break
-    body = [
-        f"Budget {budget / 2**30:.2f} GiB of resident memory (watched by the parent); 2 optimizer steps at batch 1 "
-        f"on {a.seq_len} tokens with gradient checkpointing; B/param: peak resident memory over the parameters.",
-        "",
-        *table(result["rows"], shapes),
-    ]
-    stem = a.out / "model_frontier_cpu"
-    a.out.mkdir(parents=True, exist_ok=True)
-    report.write_json(f"{stem}.json", result)
-    text = "\n".join(
-        ["# The model-size frontier (CPU)", "", provenance.markdown(result["provenance"]), "", *body]
-    )
-    report.write_text(f"{stem}.md", text + "\n")
-    plot(Path(f"{stem}.png"), result["rows"], shapes, budget)
-    print(text)
+    print(write(complete=True))
 
 
 if __name__ == "__main__":
