@@ -112,14 +112,28 @@ def test_each_cited_command_reproduces_its_file(stem, command, monkeypatch):
     fields = {f.name for f in dataclasses.fields(BenchConfig)}
     recorded = BenchConfig(**{k: v for k, v in result["config"].items() if k in fields}).to_json()
     settings, contenders, repeats = _bench_settings(command, recorded["device"], monkeypatch)
+    frontier = "probes" in result  # fasttrain bench --frontier: the budget is set apart from the settings
+    if frontier:
+        from fasttrain.bench.frontier import parse_size
+
+        argv = [*shlex.split(command)[1:], "--device", recorded["device"]]
+        today = cli.settings(cli.build_parser().parse_args(argv))
+        budget = today.get("memory_budget")
+        assert budget is not None and parse_size(budget) == recorded["memory_budget"], (
+            f"{command!r} today runs another memory budget than {stem}.json recorded"
+        )
     differ = {
         key: (value, settings.get(key))
         for key, value in recorded.items()
-        if key != "threads" and settings.get(key) != value  # threads: the machine's cores
+        # threads: the machine's cores; the frontier's budget: checked above
+        if key != "threads" and not (frontier and key == "memory_budget") and settings.get(key) != value
     }
     assert not differ, (
         f"{command!r} today runs other settings than {stem}.json recorded (recorded, now): {differ}"
     )
+    if frontier:
+        assert contenders == set(result["probes"]) and result["max_length"] == today.get("max_length")
+        return
     ran = {"reference", "fasttrain", *result.get("ablations", {})} | (
         {"liger"} if "liger" in result else set()
     )

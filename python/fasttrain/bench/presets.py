@@ -120,9 +120,9 @@ PRESETS: dict[str, Preset] = {
         {**_RL_TWIN, "trainer": "grpo", "completions": "synthetic"},
     ),
     # --frontier: one optimizer step a probe, batch 1, every example the probed length, gradient checkpointing on
-    # both sides (a user's best memory setting). On 2 CPU cores a qwen3-0.6b step takes ~1.5 min at 2,048 tokens
-    # and grows with the square of the length (attention): a budget just above fp32 AdamW's own 10.7 GiB and a cap
-    # of 4,096 keep the search under 30 minutes; the whole machine's frontier is hours of CPU (docs/measured.md).
+    # both sides (a user's best memory setting). On 2 CPU cores a qwen3-0.6b step takes minutes at 2,048 tokens and
+    # grows with the square of the length (attention): a budget just above fp32 AdamW's own ~10.7 GiB and a cap of
+    # 4,096 bound the search (43 CPU-minutes measured, docs/measured.md); the whole machine's frontier is hours.
     "cpu-frontier": Preset(
         "--frontier on cpu: qwen3-0.6b, fp32, one optimizer step at batch 1 with gradient checkpointing, lengths "
         "from 512 doubled up to 4096 then bisected to within 10%, budget 12 GiB",
