@@ -197,6 +197,9 @@ def run(
     from fasttrain.optim import FusedAdamW, step_in_backward
 
     spec = MODES[mode]
+    load = (
+        provenance.load_average()
+    )  # per run: the shared machine's load moves between runs, and tokens/s with it
     model = build_model(shape, vocab_size, seed, getattr(torch, spec["dtype"]))
     model.train()
     if spec["optimizer"] == "torch":
@@ -249,6 +252,7 @@ def run(
         "final_eval_loss": curve[-1]["eval_loss"],
         "tokens_per_s": a.steps * a.batch_size * a.seq_len / train_seconds,
         "train_seconds": train_seconds,
+        "load_1min_at_start": load,
         "evidence": evidence,
     }
 
@@ -307,7 +311,9 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "outside by: the distance to the nearest edge of the spread (positive: a higher loss than every "
         f"{REFERENCE} seed). `bf16 without SR` is the control (bf16 weights rounded to nearest): expected to "
-        "fall behind, which shows the check can fail.",
+        "fall behind, which shows the check can fail. tokens/s: the training loop's wall clock (eval excluded), "
+        "runs one after another on a possibly shared machine whose load moves between them (each run's load "
+        "average at its start is in the JSON): compare them loosely.",
     ]
     return "\n".join(out) + "\n"
 
