@@ -63,6 +63,7 @@ MAIN_ONLY = {
         "test_optim_fsdp.py",
         "test_optim_fsdp_8bit.py",
         "test_optim_fsdp_sr.py",
+        "test_optim_in_backward_ddp.py",
     ),
     "compilers at the latest versions only: every kernel for sm_90 (the gpu-smoke stage compiles them with the GPU "
     "machine's Triton), flex attention through inductor, Liger's kernels": (

@@ -33,7 +33,7 @@ Not supported, refused with a ValueError naming the reason: a clip armed by ``de
 norm needs every gradient before the first update: clip per parameter, or step after backward), sparse gradients,
 a parameter that is not a leaf, DTensor (FSDP2) parameters (their sharded gradients are set after FSDP2's
 reduce-scatter, not by autograd's accumulation). Not detectable, so documented: under DDP the hook would fire before
-the gradient's all-reduce (don't); ``torch.amp.GradScaler`` (its ``step`` expects gradients to unscale: use bf16,
+the gradient's all-reduce (don't: ``in_backward_ddp.step_in_backward_ddp`` steps in DDP's communication hook); ``torch.amp.GradScaler`` (its ``step`` expects gradients to unscale: use bf16,
 which needs no scaler). Frozen parameters
 (``requires_grad=False``) get no hook, as they get no gradient. The optimizer's step hooks
 (``register_step_pre_hook`` / ``register_step_post_hook``) are not run by the updates made in backward.
@@ -158,12 +158,19 @@ class StepInBackward:
             return
         if self.armed is not None and not self.armed():
             return  # an accumulating backward: the gradient stays for the next one to add to
+        if self._step(p):
+            p.grad = None
+
+    @torch.no_grad()
+    def _step(self, p: torch.Tensor) -> bool:
+        """``step()``'s update of ``p`` alone, on the gradient in ``p.grad``; False (nothing done) when ``p`` is no
+        longer in the optimizer. Shared with the DDP communication hook (``in_backward_ddp``)."""
         opt = self._optimizer
         with self._lock:
             _refuse_clip(opt)
             where = self._where(p)
             if where is None:  # no longer in the optimizer: leave its gradient alone
-                return
+                return False
             gi, j, salt = where
             group = opt.param_groups[gi]
             opt._check_dense(p, gi, j)
@@ -182,7 +189,7 @@ class StepInBackward:
                 opt._torch_step(group, [entry], device, lay, None, None, None)
             self.stepped += 1
             self.updates += 1
-        p.grad = None
+        return True
 
 
 def step_in_backward(
