@@ -19,7 +19,7 @@ import torch
 from . import rounding
 from .layouts import Layout, moment_names
 
-STAGE_ELEMENTS = 1 << 24  # elements per staged batch: 64 MB per fp32 role
+STAGE_ELEMENTS = 1 << 22  # elements per staged batch: 16 MB per fp32 role (its int64 rounding bits: 32 MB)
 
 
 def _batches(items: list[Any], numel) -> Iterator[list[Any]]:

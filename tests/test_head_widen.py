@@ -1,0 +1,46 @@
+"""On CPU a bf16/fp16 head adds each chunk's half-precision weight product into its fp32 accumulator through a
+small fp32 buffer, a slice of rows at a time (``chunked_head._Grads._add_product``), not a weight-sized fp32 copy
+(1.6 GB at a 4B model's head): the gradients must be those of the whole-weight widening, bit for bit, and the
+buffer no larger than its slice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fasttrain.loss import chunked_head
+from fasttrain.loss.function import fused_linear_cross_entropy
+
+pytestmark = pytest.mark.numeric  # half-precision GEMMs on CPU: another instruction set rounds its own way
+
+
+def _grads(monkeypatch, widen: int, dtype):
+    monkeypatch.setattr(chunked_head, "_WIDEN_ELEMENTS", widen)
+    seen = []
+    add = chunked_head._Grads._add_product
+
+    def spy(self):
+        add(self)
+        seen.append(self._product32.numel())
+
+    monkeypatch.setattr(chunked_head._Grads, "_add_product", spy)
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 48, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(1001, 48) * 0.1).to(dtype).requires_grad_()
+    labels = torch.randint(0, 1001, (300,))
+    labels[::7] = -100
+    loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_rows=64, backend="torch")
+    loss.backward()
+    return loss.detach(), hidden.grad, weight.grad, seen
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sliced_widening_equals_the_whole_weight_widening(monkeypatch, dtype):
+    whole = _grads(monkeypatch, 1 << 30, dtype)
+    sliced = _grads(
+        monkeypatch, 48 * 100 + 5, dtype
+    )  # 100 rows a slice: the last slice is short (1,001 rows)
+    for a, b in zip(whole[:3], sliced[:3], strict=True):
+        assert torch.equal(a, b)
+    assert whole[3] and max(whole[3]) == 1001 * 48  # one slice: the whole weight
+    assert sliced[3] and max(sliced[3]) == 100 * 48  # chunks after the first added through a 100-row buffer
