@@ -102,7 +102,8 @@ def test_each_cited_command_reproduces_its_file(stem, command, monkeypatch):
     result = json.loads((ROOT / f"{stem}.json").read_text())
     if not command.startswith("fasttrain bench"):
         # a benchmark script: the arguments its file recorded (the interpreter may be another environment's)
-        script = next(word for word in shlex.split(command) if word.endswith(".py"))
+        # (a script, or `python -m fasttrain.bench.<module>`: from the module on)
+        script = next(word for word in shlex.split(command) if word.endswith(".py") or word == "-m")
         recorded = shlex.split(_recorded_command(result))
         cited = shlex.split(command)
         assert cited[cited.index(script) :] == recorded[recorded.index(script) :]

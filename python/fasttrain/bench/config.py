@@ -82,7 +82,8 @@ class Contender:
     name: str
     trainer: str  # "reference" | "fasttrain" | "liger"
     disable: str | None = None  # FASTTRAIN_DISABLE for the child
-    optim_args: str | None = None  # FASTTRAIN_OPTIM_ARGS for the child: FusedAdamW's options (optim/options.py)
+    # FASTTRAIN_OPTIM_ARGS for the child: FusedAdamW's options (optim/options.py)
+    optim_args: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
