@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .config import REFERENCE, BenchConfig, Contender
-from .runner import BenchError, OverBudget, RunFailed, run_one
+from .runner import OverBudget, RunFailed, run_one
 
 TOLERANCE = (
     0.10  # the bisection stops when the first length that did not fit is within 10% of the longest that did
@@ -151,8 +151,6 @@ def run_frontier(
         for contender in contenders:
             try:
                 search(runner(contender), config.seq_len, max_length)
-            except BenchError:
-                raise
             except RunFailed as exc:  # not a memory verdict: recorded, and the other contenders go on
                 found[contender.name].append(Probe(0, False, why=f"crashed: {exc}"))
         best = longest(found.get(REFERENCE, []))

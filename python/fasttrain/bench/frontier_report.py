@@ -9,6 +9,7 @@ from typing import Any
 
 from .config import REFERENCE, BenchConfig, Contender
 from .frontier import Probe, available_bytes, default_budget, parse_size, run_frontier, summarize
+from .report import _aligned, _markdown_table
 
 
 def _budget(config: BenchConfig, given: str | None) -> int:
@@ -57,19 +58,13 @@ def describe(config: BenchConfig, data: dict[str, Any]) -> list[str]:
     ]
 
 
-def _aligned(header: list[str], table: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in [header, *table]]
-
-
 def markdown(config: BenchConfig, data: dict[str, Any]) -> str:
     from .provenance import markdown as provenance_markdown
 
     header, table = rows(data)
     lines = [provenance_markdown(data["provenance"]), "", "## The length frontier", ""]
     lines += [f"- {line}" for line in describe(config, data)] + [""]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in table] + ["", "## Every probe", ""]
+    lines += [*_markdown_table(header, table), "## Every probe", ""]
     lines += [
         "| contender | length | fits | peak GiB | tokens/s | loss | why not |",
         "|---|---|---|---|---|---|---|",
