@@ -35,7 +35,10 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["MIN_CHUNK_ROWS", "ChunkMath", "check_labels", "check_operands", "default_chunk_rows", "run_head"]
+__all__ = [
+    "MIN_CHUNK_ROWS", "ChunkMath", "check_labels", "check_operands", "default_chunk_rows", "run_head",
+    "widens_weight_grad",
+]  # fmt: skip
 
 MIN_CHUNK_ROWS = 256
 # CPU half-precision weight products are widened to fp32 this many elements at a time (_Grads._add_product)
@@ -44,17 +47,39 @@ _WIDEN_ELEMENTS = 1 << 22
 _CUDA_MIXED_ADDMM = torch.__version__ >= (2, 8)
 
 
-def default_chunk_rows(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
+def default_chunk_rows(
+    n_tokens: int, hidden_size: int, vocab_size: int, *, widened_weight_grad: bool = False
+) -> int:
     """Tokens per chunk: the chunk's logits hold about as many values as the hidden states
     (``tokens x hidden / vocab``), rounded up to a power of two, within [``MIN_CHUNK_ROWS``, tokens].
+
+    ``widened_weight_grad`` (``widens_weight_grad``): over several chunks a half-precision head's weight gradient
+    is summed in an fp32 ``[V, H]`` accumulator, twice the weight's bytes (1.6 GB at a 4B model's head). Up to
+    ``hidden_size`` tokens one chunk's logits hold no more values than the weight, so all tokens go in one chunk
+    and the weight gradient is one product in the weight's dtype, rounded once, as the reference's is.
 
     The floor matters: every chunk reads the weight twice and the weight-gradient accumulator once, so tiny
     chunks turn the matmuls memory-bound (measured on CPU at hidden 256-512, vocab 151,936: 32-row chunks
     ~1.7x slower than 512-row ones, 128-row ones ~1.2x slower than 256-row ones)."""
     if n_tokens <= 0:
         return 1
+    if widened_weight_grad and n_tokens <= hidden_size:
+        return n_tokens
     rows = 1 << max(0, math.ceil(n_tokens * hidden_size / max(vocab_size, 1)) - 1).bit_length()
     return max(1, min(n_tokens, max(MIN_CHUNK_ROWS, rows)))
+
+
+def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmuls run in: autocast's where it is on (like ``nn.Linear``), else the input's."""
+    device_type = hidden.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+
+
+def widens_weight_grad(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a multi-chunk pass would sum the weight's gradient in an fp32 accumulator beside half-precision
+    products (``default_chunk_rows``'s ``widened_weight_grad``)."""
+    trained = torch.is_grad_enabled() and weight.requires_grad
+    return trained and compute_dtype(hidden) in (torch.bfloat16, torch.float16)
 
 
 class ChunkMath(Protocol):
@@ -111,12 +136,17 @@ class _Grads:
     once, as the reference's is.
     """
 
-    def __init__(self, hidden: torch.Tensor, w: torch.Tensor, needs: tuple[bool, bool, bool]) -> None:
+    def __init__(
+        self, hidden: torch.Tensor, w: torch.Tensor, needs: tuple[bool, bool, bool], one_chunk: bool
+    ) -> None:
         # Not zero-filled: every hidden row is written by its chunk, and the first chunk writes the weight and bias
         # accumulators (a zero fill of a [V, H] fp32 accumulator is a pass as long as the chunk's GEMM on CPU)
         f32 = {"dtype": torch.float32, "device": w.device}
         self.hidden = torch.empty(hidden.shape, **f32) if needs[0] else None
-        self.weight = torch.empty(w.shape, **f32) if needs[1] else None
+        # one chunk of half-precision products: the weight gradient is that one product, in its dtype (set by fold)
+        self._weight_direct = needs[1] and one_chunk and w.dtype != torch.float32
+        self._weight_spec = (w.shape, w.dtype, w.device)  # not w itself: the basis lives until the backward
+        self.weight = torch.empty(w.shape, **f32) if needs[1] and not self._weight_direct else None
         self.bias = torch.empty(w.shape[0], **f32) if needs[2] else None
         self._started = False  # the weight and bias accumulators hold a first chunk's products
         self._product = self._product32 = None  # CPU half-precision weight products (fold)
@@ -132,7 +162,9 @@ class _Grads:
             else:
                 self.hidden[lo:hi] = torch.mm(grad, w)
         first, self._started = not self._started, True
-        if self.weight is not None:
+        if self._weight_direct:
+            self.weight = torch.mm(grad.t(), h)
+        elif self.weight is not None:
             if grad.dtype == torch.float32:
                 if first:
                     torch.mm(grad.t(), h, out=self.weight)
@@ -173,6 +205,9 @@ class _Grads:
     def finish(self, ratio: torch.Tensor | None, like: tuple) -> tuple:
         """Scaled by ``ratio`` (a power of two: exact), cast to the dtypes of ``like`` (hidden, weight, bias)."""
         if not self._started:  # no chunk at all (no token): zero gradients, as the reference gives
+            if self._weight_direct:
+                shape, dtype, device = self._weight_spec
+                self.weight = torch.empty(shape, dtype=dtype, device=device)
             for grad in (self.weight, self.bias):
                 if grad is not None:
                     grad.zero_()
@@ -195,7 +230,8 @@ def _pass(hidden, weight, bias, plan: _Plan, needs, chunk_grad) -> _Grads | None
     """One sweep over the chunks: logits in the compute dtype, ``chunk_grad`` on them, gradients folded in."""
     w = weight.to(plan.compute_dtype)
     b = None if bias is None else bias.to(plan.compute_dtype)
-    grads = _Grads(hidden, w, needs) if needs is not None and any(needs) else None
+    one_chunk = hidden.shape[0] <= plan.chunk_rows
+    grads = _Grads(hidden, w, needs, one_chunk) if needs is not None and any(needs) else None
     scratch = Scratch()
     for lo in range(0, hidden.shape[0], plan.chunk_rows):
         hi = min(lo + plan.chunk_rows, hidden.shape[0])
@@ -232,12 +268,9 @@ def _exact_ratio(upstream: torch.Tensor, valid: torch.Tensor, predicted: torch.T
 def _make_plan(hidden: torch.Tensor, chunk_rows: int, predicted: Any) -> _Plan:
     """Under autocast the matmuls run in the autocast dtype, like ``nn.Linear`` (read before autocast is turned
     off around the passes)."""
-    device_type = hidden.device.type
-    autocast = torch.is_autocast_enabled(device_type)
-    compute_dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
     if predicted is not None:
         predicted = torch.as_tensor(predicted, dtype=torch.float32, device=hidden.device)
-    return _Plan(compute_dtype, max(1, chunk_rows), predicted)
+    return _Plan(compute_dtype(hidden), max(1, chunk_rows), predicted)
 
 
 def _forward(hidden, weight, bias, chunk_math: ChunkMath, plan: _Plan, needs) -> tuple[_Grads | None, tuple]:

@@ -28,6 +28,7 @@ from .chunked_head import (
     default_chunk_rows,
     head_with_grads,
     run_head,
+    widens_weight_grad,
 )
 from .lm_head_torch import HeadTransform, chunk_fns
 
@@ -231,7 +232,12 @@ def _prepare(
     hidden_2d = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     labels_1d = labels.reshape(-1).to(device=hidden.device, dtype=torch.int64)
     check_labels(labels_1d, weight.shape[0], ignore_index)
-    rows = chunk_rows if chunk_rows is not None else default_chunk_rows(*hidden_2d.shape, weight.shape[0])
+    widened = widens_weight_grad(hidden_2d, weight)
+    rows = (
+        chunk_rows
+        if chunk_rows is not None
+        else default_chunk_rows(*hidden_2d.shape, weight.shape[0], widened_weight_grad=widened)
+    )
     if rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {rows}")
     denominator = None

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .._backend import check_backend
-from .chunked_head import check_labels, check_operands, default_chunk_rows, run_head
+from .chunked_head import check_labels, check_operands, default_chunk_rows, run_head, widens_weight_grad
 from .lm_head_torch import HeadTransform, chunk_fns
 
 __all__ = ["OPTIONAL_OUTPUTS", "TokenStats", "fused_token_log_probs"]
@@ -151,7 +151,8 @@ def fused_token_log_probs(
     _validate(hidden, weight, bias, labels, temperature, softcap, outputs, backend)
     labels = labels.to(device=hidden.device, dtype=torch.int64)
     check_labels(labels, weight.shape[0], ignore_index)
-    rows = chunk_rows or default_chunk_rows(hidden.shape[0], weight.shape[1], weight.shape[0])
+    widened = widens_weight_grad(hidden, weight)
+    rows = chunk_rows or default_chunk_rows(*hidden.shape, weight.shape[0], widened_weight_grad=widened)
     head = HeadTransform(temperature, logit_scale, softcap, ignore_index)
     math = _TokenStatsMath(labels, head, frozenset(outputs), backend)
     predicted = uniform_grad
