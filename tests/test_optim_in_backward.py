@@ -179,6 +179,25 @@ def test_grad_norm_accumulates_until_reset():
         assert float(handle.grad_norm()) == 0.0 and handle.stepped == 0
 
 
+def test_grad_norm_is_summed_a_slice_at_a_time(monkeypatch):
+    """The hooks square each gradient in slices of ``STAGE_ELEMENTS`` (a whole gradient widened to float64 would
+    cost 8 bytes an element): with 7-element slices (the 32x32 weight: 146 slices, the last short) the norm is the
+    float64 norm of all the gradients, computed whole."""
+    from fasttrain.optim import in_backward
+
+    monkeypatch.setattr(in_backward, "STAGE_ELEMENTS", 7)
+    ref = make_model(torch.float32)
+    x, t = batch(0, torch.float32, "cpu")
+    (ref(x) - t).square().mean().backward()
+    truth = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1).double() for p in ref.parameters()]))
+    model = make_model(torch.float32)
+    opt = FusedAdamW(model.parameters(), backend="torch")
+    with step_in_backward(opt) as handle:
+        (model(x) - t).square().mean().backward()
+        # the handle reports the float64 sum as a float32 norm: one rounding
+        assert float(handle.grad_norm()) == pytest.approx(float(truth), rel=2**-23)
+
+
 def test_remove_hands_the_step_back():
     model = make_model(torch.float32)
     opt = FusedAdamW(model.parameters(), backend="torch")

@@ -59,6 +59,7 @@ import torch
 
 from . import _state
 from ._tensors import is_dtensor, local
+from ._torch_step import STAGE_ELEMENTS
 from .adamw import FusedAdamW
 
 # the optimizers with hooks registered: a second registration would find every gradient already freed
@@ -176,7 +177,7 @@ class StepInBackward:
             opt._check_dense(p, gi, j)
             grad = local(p.grad)
             if self._track:
-                sq = torch.linalg.vector_norm(grad, 2, dtype=torch.float64).square()
+                sq = _squared_norm(grad)
                 prev = self._squares.get(sq.device)
                 self._squares[sq.device] = sq if prev is None else prev + sq
             # step()'s loop body, for this one parameter (FusedAdamW.step)
@@ -190,6 +191,18 @@ class StepInBackward:
             self.stepped += 1
             self.updates += 1
         return True
+
+
+def _squared_norm(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient's float64 sum of squares, ``STAGE_ELEMENTS`` elements at a time: a whole gradient widened to
+    float64 costs 8 bytes an element (1.2 GB at a 0.6B model's embedding, 3.1 GB at a 4B one's), more than the
+    step itself."""
+    flat = grad.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=grad.device)
+    for lo in range(0, flat.numel(), STAGE_ELEMENTS):
+        part = flat[lo : lo + STAGE_ELEMENTS].to(torch.float64)
+        total += torch.dot(part, part)
+    return total
 
 
 def step_in_backward(

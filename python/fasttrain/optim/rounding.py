@@ -28,18 +28,25 @@ _M32 = 0xFFFFFFFF
 MIX1, MIX2 = 0x7FEB352D, 0x846CA68B
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    # (x * c) mod 2**32 for 0 <= x < 2**32 without leaving int64: split c in 16-bit halves
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+def _mul32_(x: torch.Tensor, c: int) -> None:
+    # x = (x * c) mod 2**32 in place, for 0 <= x < 2**32 without leaving int64: c split in 16-bit halves
+    high = x * (c >> 16)
+    high &= 0xFFFF
+    high <<= 16
+    x *= c & 0xFFFF
+    x += high
+    x &= _M32
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on int64 tensors holding uint32 values."""
+    """lowbias32 on int64 tensors holding uint32 values (a new tensor; in place on it, so a staged batch of the
+    optimizer's torch step allocates two working tensors, not a dozen)."""
     x = x ^ (x >> 16)
-    x = _mul32(x, MIX1)
-    x = x ^ (x >> 15)
-    x = _mul32(x, MIX2)
-    return x ^ (x >> 16)
+    _mul32_(x, MIX1)
+    x ^= x >> 15
+    _mul32_(x, MIX2)
+    x ^= x >> 16
+    return x
 
 
 def sr_key(seed: int, salt: int, step: torch.Tensor) -> torch.Tensor:
@@ -51,8 +58,12 @@ def sr_key(seed: int, salt: int, step: torch.Tensor) -> torch.Tensor:
 def random_bits16(key: torch.Tensor, numel: int, offset: int = 0) -> torch.Tensor:
     """int64 ``[numel]``: the 16 random bits of elements offset..offset+numel-1."""
     i = torch.arange(offset, offset + numel, dtype=torch.int64, device=key.device)
-    hi_key = mix32((key + (i >> 32)) & _M32)
-    return mix32(hi_key ^ (i & _M32)) & 0xFFFF
+    if offset + numel <= 2**32:  # i >> 32 is 0 and i & 0xFFFFFFFF is i: one key for all
+        bits = mix32(i ^ mix32(key & _M32))
+    else:
+        bits = mix32(mix32((key + (i >> 32)) & _M32) ^ (i & _M32))
+    bits &= 0xFFFF
+    return bits
 
 
 def stochastic_round_to_bf16_(
@@ -63,10 +74,14 @@ def stochastic_round_to_bf16_(
 
     NaN stays NaN and an infinity stays infinite; a finite value can round up to infinity, as in any SR.
     """
-    bits = src.reshape(-1).view(torch.int32).to(torch.int64) & _M32
-    bits = (bits + random_bits16(key, src.numel(), offset)) & 0xFFFF0000
-    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
-    rounded = bits.view(torch.float32)
+    bits = src.reshape(-1).view(torch.int32).to(torch.int64)
+    bits &= _M32
+    bits += random_bits16(key, src.numel(), offset)
+    bits &= 0xFFFF0000
+    wrap = bits >> 31  # 1 where the sum is >= 2**31: back to a signed int32's range
+    wrap <<= 32
+    bits -= wrap
+    rounded = bits.to(torch.int32).view(torch.float32)
     flat = src.reshape(-1)
     rounded = torch.where(torch.isnan(flat), flat, rounded)
     dst.copy_(rounded.view(src.shape))  # exact: the low 16 bits are zero
