@@ -11,6 +11,8 @@ Runs, one after the other in the same processes (a name is read as its parts):
 - ``-8bit``: with ``optim_args="state_dtype=8bit,min_8bit_size=256"`` (every matrix's moments in 8 bits);
 - ``-save``: saving the Trainer's checkpoint at step ``SAVE_STEP`` (the run itself goes on, uninterrupted);
 - ``-resume``: resuming from the checkpoint its ``-save`` twin wrote, in the same launch;
+- ``-noclip``: ``max_grad_norm=0``; ``-inbw``: ``step_in_backward=true`` in ``optim_args`` (which needs
+  ``max_grad_norm=0`` too): under DDP the step runs in a communication hook on each bucket's averaged gradient;
 - ``single`` / ``single-8bit``: one process, 2 rows and 4 accumulation steps: the same 8 rows a step as two DDP
   ranks train on (the seeded random sampler, cut in consecutive batches of 2 that Accelerate deals out to the
   ranks in turn), summed in another order.
@@ -22,8 +24,11 @@ hot-path status and the optimizer state's keys. A run that raises writes its err
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 from pathlib import Path
+
+import torch
 
 import _engine_worker as engine  # beside this file: a script's own directory is on sys.path
 import _tiny as tiny
@@ -31,6 +36,7 @@ import fasttrain
 
 SAVE_STEP = 3
 EIGHT_BIT = "state_dtype=8bit,min_8bit_size=256"
+IN_BACKWARD = "step_in_backward=true"
 
 
 def train_once(run: str, a: argparse.Namespace) -> dict:
@@ -45,7 +51,9 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
         learning_rate=a.lr,
         per_device_train_batch_size=2,
         gradient_accumulation_steps=4 if single else 2,
-        optim_args=EIGHT_BIT if "-8bit" in run else None,
+        optim_args=",".join(o for o, part in ((EIGHT_BIT, "-8bit"), (IN_BACKWARD, "-inbw")) if part in run)
+        or None,
+        **({"max_grad_norm": 0.0} if "-noclip" in run or "-inbw" in run else {}),
         save_strategy="steps" if run.endswith("-save") else "no",
         save_steps=SAVE_STEP,
         ddp_backend=None if single else "gloo",
@@ -53,7 +61,12 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
     trainer = engine.recorded_trainer(model, args, a.rows)
     checkpoint = Path(a.out, run.replace("-resume", "-save"), f"checkpoint-{SAVE_STEP}")
     trainer.train(resume_from_checkpoint=str(checkpoint) if run.endswith("-resume") else None)
-    return engine.shared_result(trainer, model, initial_checksum, lm_head_calls=0)
+    result = engine.shared_result(trainer, model, initial_checksum, lm_head_calls=0)
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    result["weights_sha256"] = digest.hexdigest()  # bit-for-bit evidence without shipping the weights
+    return result
 
 
 def main() -> None:

@@ -276,3 +276,59 @@ def test_ddp_resume_continues_as_the_uninterrupted_run(state_runs, run):
             for key in ("loss", "grad_norm"):
                 want = expected[log["step"]][key]
                 assert abs(log[key] - want) <= FLOOR * abs(want), (log["step"], key, log[key], want)
+
+
+# -- the optimizer step inside backward under DDP, through the Trainer (tests/_ddp_worker.py -inbw) -------------
+
+INBW_RUNS = ["fasttrain-noclip", "fasttrain-inbw-save", "fasttrain-inbw-resume", "fasttrain-8bit-noclip",
+             "fasttrain-8bit-inbw"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def inbw_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("ddp-inbw")
+    done = subprocess.run(
+        [*_torchrun()[:-1], str(DDP_WORKER), str(out), "--runs", ",".join(INBW_RUNS)],
+        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    runs = {}
+    for name in INBW_RUNS:
+        runs[name] = [json.loads((out / f"{name}-rank{r}.json").read_text()) for r in range(2)]
+        for r in runs[name]:
+            assert "error" not in r, r.get("traceback", r.get("error"))
+    return runs
+
+
+@pytest.mark.parametrize("layout", ["", "-8bit"])
+def test_ddp_step_in_backward_equals_ordinary_ddp(inbw_runs, layout):
+    """optim_args step_in_backward=true under DDP (2 gloo ranks, 2 accumulation steps: the first micro-batch
+    under no_sync, no hook): every bucket stepped on its averaged gradient inside backward leaves the weights
+    of ordinary DDP with the same FusedAdamW, bit for bit, on both ranks, after 6 steps of an lr schedule; the
+    same losses; the grad_norm the hooks summed equals the Trainer's own within a float32 rounding."""
+    ours = inbw_runs[f"fasttrain{layout}-inbw" + ("-save" if not layout else "")]
+    ref = inbw_runs[f"fasttrain{layout}-noclip"]
+    for o, r in zip(ours, ref, strict=True):
+        assert o["distributed_type"] == "DistributedType.MULTI_CPU" and o["world_size"] == 2
+        assert o["status"]["optimizer"] == "on (stepping in backward)", o["status"]
+        assert r["status"]["optimizer"] == "on", r["status"]
+        assert ("exp_avg_codes" in o["inner_state_keys"]) == (layout == "-8bit")
+        assert o["weights_sha256"] == r["weights_sha256"]
+        assert [log["loss"] for log in o["logs"]] == [log["loss"] for log in r["logs"]]
+        assert len(o["logs"]) == 6
+        for a, b in zip(o["logs"], r["logs"], strict=True):
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= FLOOR * abs(b["grad_norm"]), (a, b)
+    assert ours[0]["weights_sha256"] == ours[1]["weights_sha256"]
+
+
+def test_ddp_step_in_backward_resumes_as_the_uninterrupted_run(inbw_runs):
+    """Resumed from the step-3 checkpoint, the hooks (re-registered on the resumed optimizer) train steps 4-6 to
+    the uninterrupted run's weights, bit for bit, logging its losses."""
+    full, resumed = inbw_runs["fasttrain-inbw-save"], inbw_runs["fasttrain-inbw-resume"]
+    for f, r in zip(full, resumed, strict=True):
+        assert r["status"]["optimizer"] == "on (stepping in backward)", r["status"]
+        assert r["weights_sha256"] == f["weights_sha256"]
+        expected = {log["step"]: log["loss"] for log in f["logs"]}
+        after = [log for log in r["logs"] if log["step"] > SAVE_STEP]
+        assert [log["step"] for log in after] == [4, 5, 6]
+        assert all(log["loss"] == expected[log["step"]] for log in after)

@@ -203,8 +203,8 @@ def test_fp16_is_refused(tmp_path):
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
-        (DistributedType.MULTI_GPU, "under DDP the hook would fire before the gradient's all-reduce"),
-        (DistributedType.MULTI_CPU, "under DDP the hook would fire before the gradient's all-reduce"),
+        (DistributedType.MULTI_XPU, r"only DDP \(MULTI_CPU, MULTI_GPU\) steps in backward"),
+        (DistributedType.XLA, r"only DDP \(MULTI_CPU, MULTI_GPU\) steps in backward"),
         (DistributedType.FSDP, r"under FSDP \(1 or 2\) .* set after FSDP's reduce-scatter"),
     ],
 )
@@ -212,6 +212,17 @@ def test_distributed_runs_are_refused(tmp_path, monkeypatch, kind, message):
     monkeypatch.setattr(accelerate.Accelerator, "distributed_type", property(lambda self: kind))
     with pytest.raises(ValueError, match=f"step_in_backward=true: .*{message}"):
         _trainer(tmp_path, SWITCH)
+
+
+def test_ddp_is_armed_for_a_communication_hook(tmp_path, monkeypatch):
+    """DDP is not refused: the step waits for on_train_begin (after Accelerate wraps the model) to go into a
+    communication hook; the two-process runs are tests/test_distributed.py's."""
+    monkeypatch.setattr(
+        accelerate.Accelerator, "distributed_type", property(lambda self: DistributedType.MULTI_CPU)
+    )
+    trainer = _trainer(tmp_path, SWITCH)
+    assert seam_of(trainer).in_backward.ddp
+    assert "on_train_begin" in trainer.callback_handler.__dict__
 
 
 def test_deepspeed_is_refused(tmp_path, monkeypatch):

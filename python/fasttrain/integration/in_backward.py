@@ -13,8 +13,12 @@ optimizer step's backward: the hooks of step k run after the scheduler's first k
   hooks summed over the gradients they stepped, which is reset after each optimizer step.
 - Registered on the FusedAdamW that ``create_optimizer`` builds or was given (a checkpoint's state then loads into
   that same instance, as without hooks), removed at ``on_train_end``.
-- Refused at construction, each with its reason: clipping (``max_grad_norm > 0``), DDP and any other distributed
-  type, FSDP, DeepSpeed, ``nn.DataParallel``, fp16 (a GradScaler).
+- DDP (``MULTI_CPU``/``MULTI_GPU``): the model is wrapped after ``create_optimizer``, so the step moves into a
+  communication hook on the wrapped model (``fasttrain.optim.in_backward_ddp``) at ``on_train_begin``, after
+  Accelerate's ``prepare``; each bucket is stepped on its averaged gradient. Accumulating micro-batches run under
+  DDP's ``no_sync``, where no communication hook runs. A later ``train()`` on the same wrapped model re-arms it.
+- Refused at construction, each with its reason: clipping (``max_grad_norm > 0``), distributed types other than
+  DDP, FSDP, DeepSpeed, ``nn.DataParallel``, fp16 (a GradScaler).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 
 from .clip import clipping_asked
 from .ledger import Seam, seam_of
-from .trainer_api import on_train_end, override, private_hook_missing, private_hook_problem
+from .trainer_api import after_event, on_train_end, override, private_hook_missing, private_hook_problem
 
 WHERE = "optim_args step_in_backward=true"
 
@@ -34,7 +38,9 @@ class _State:
     """What one trainer's switch holds: the handle of the hooks (kept after removal: its update count is the
     evidence) and the optimizer post-step hook that resets the handle's norm."""
 
-    def __init__(self) -> None:
+    def __init__(self, ddp: bool) -> None:
+        self.ddp = ddp  # the step goes into a communication hook on the wrapped model (on_train_begin)
+        self.optimizer: Any = None  # under DDP: the FusedAdamW create_optimizer built, until on_train_begin
         self.handle: Any = None
         self.reset_hook: Any = None
 
@@ -43,7 +49,7 @@ def arm(trainer: Any, seam: Seam) -> None:
     problem = refusal(trainer, seam)
     if problem is not None:
         raise ValueError(f"{WHERE}: {problem}")
-    seam.in_backward = _State()
+    seam.in_backward = _State(ddp=_is_ddp(trainer))
     # transformers < 5 has no _get_grad_norm and logs no norm without clipping: nothing to serve there
     if private_hook_missing("_get_grad_norm", ("model", "grad_norm")) is None:
         hook_problem = private_hook_problem(trainer, "_get_grad_norm", ("model", "grad_norm"))
@@ -51,7 +57,15 @@ def arm(trainer: Any, seam: Seam) -> None:
             override(trainer, "_get_grad_norm", _get_grad_norm)
         else:  # the class's own norm would find the gradients gone
             seam.notes.append(f"step_in_backward: the logged grad_norm is not the hooks' ({hook_problem})")
+    if seam.in_backward.ddp:
+        after_event(trainer, "on_train_begin", _register_ddp)
     on_train_end(trainer, _remove)
+
+
+def _is_ddp(trainer: Any) -> bool:
+    from accelerate.utils import DistributedType
+
+    return trainer.accelerator.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
 def refusal(trainer: Any, seam: Seam) -> str | None:
@@ -75,10 +89,10 @@ def refusal(trainer: Any, seam: Seam) -> str | None:
             "under FSDP (1 or 2) a parameter's sharded gradient is set after FSDP's reduce-scatter, not by autograd's "
             "accumulation, where the hook fires: drop step_in_backward"
         )
-    if kind != DistributedType.NO:
+    if kind != DistributedType.NO and not _is_ddp(trainer):
         return (
-            f"distributed type {getattr(kind, 'value', kind)}: under DDP the hook would fire before the gradient's "
-            "all-reduce, so each process would step on its own gradient; train on one process or drop step_in_backward"
+            f"distributed type {getattr(kind, 'value', kind)}: only DDP (MULTI_CPU, MULTI_GPU) steps in backward, "
+            "through a communication hook; train with DDP or on one process, or drop step_in_backward"
         )
     if getattr(args, "n_gpu", 1) > 1:
         return (
@@ -108,15 +122,45 @@ def register(trainer: Any, seam: Seam, optimizer: Any) -> None:
             f"{WHERE} needs fasttrain's FusedAdamW, but the Trainer's optimizer is {type(optimizer).__qualname__} "
             f"(optimizer path: {seam.status['optimizer']}): drop step_in_backward or let fasttrain build the AdamW"
         )
+    if state.ddp:  # the model is not wrapped yet: hooked at on_train_begin (_register_ddp)
+        state.optimizer = optimizer
+        return
     if state.handle is not None and not state.handle.removed:
         if state.handle.optimizer is optimizer:
             return  # hooked already (a train() that raised before on_train_end)
         _remove(trainer)
     ref = weakref.ref(trainer)
-    handle = step_in_backward(optimizer, armed=lambda: _syncing(ref))
+    _hooked(state, optimizer, step_in_backward(optimizer, armed=lambda: _syncing(ref)))
+
+
+def _hooked(state: _State, optimizer: Any, handle: Any) -> None:
     state.handle = handle
     # once per optimizer step, after the Trainer read the norm (in _get_grad_norm, before optimizer.step())
     state.reset_hook = optimizer.register_step_post_hook(lambda *_: handle.reset_grad_norm())
+
+
+def _register_ddp(trainer: Any) -> None:
+    """At ``on_train_begin``: the optimizer's step into a communication hook on the DDP model Accelerate wrapped."""
+    import torch
+
+    from ..optim.in_backward_ddp import step_in_backward_ddp
+
+    state = seam_of(trainer).in_backward
+    optimizer, ddp = state.optimizer, trainer.model_wrapped
+    if optimizer is None:
+        return  # create_optimizer did not build a FusedAdamW: register() raised or the path is off
+    if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError(
+            f"{WHERE}: under DDP the Trainer's wrapped model is {type(ddp).__qualname__}, not a "
+            "DistributedDataParallel to hook; drop step_in_backward"
+        )
+    handle = state.handle
+    if handle is not None and getattr(handle, "_ddp", None) is ddp and handle.optimizer is optimizer:
+        if handle.removed:  # a later train(): the hook never left the wrapped model
+            handle.rearm()
+            _hooked(state, optimizer, handle)
+        return
+    _hooked(state, optimizer, step_in_backward_ddp(ddp, optimizer))
 
 
 def _syncing(ref: Callable[[], Any]) -> bool:

@@ -60,24 +60,27 @@ def override(trainer: Any, name: str, hook: Callable[..., Any], *, replaces: boo
 
 
 def on_train_end(trainer: Any, hook: Callable[[Any], None]) -> None:
-    """``hook(trainer)`` after the Trainer's ``on_train_end`` event (the end of every ``train()``), through the
-    trainer's callback handler: the callbacks themselves stay the user's. The handler's method is looked up at call
-    time; the trainer is held weakly."""
+    """``hook(trainer)`` after the Trainer's ``on_train_end`` event (the end of every ``train()``)."""
+    after_event(trainer, "on_train_end", hook)
+
+
+def after_event(trainer: Any, event: str, hook: Callable[[Any], None]) -> None:
+    """``hook(trainer)`` after the callback handler's ``event`` (e.g. ``on_train_begin``: after the model is
+    prepared, before the first step), through the trainer's callback handler: the callbacks themselves stay the
+    user's. The handler's method is looked up at call time; the trainer is held weakly."""
     handler = trainer.callback_handler
-    previous = handler.__dict__.get("on_train_end")
+    previous = handler.__dict__.get(event)
     ref, handler_ref = weakref.ref(trainer), weakref.ref(handler)  # no cycle through the handler's __dict__
 
     def call(*args: Any, **kwargs: Any) -> Any:
         owner = handler_ref()
-        control = (previous or _bind(inspect.getattr_static(type(owner), "on_train_end"), owner))(
-            *args, **kwargs
-        )
+        control = (previous or _bind(inspect.getattr_static(type(owner), event), owner))(*args, **kwargs)
         this = ref()
         if this is not None:
             hook(this)
         return control
 
-    handler.__dict__["on_train_end"] = call
+    handler.__dict__[event] = call
 
 
 def private_hook_missing(name: str, parameters: tuple[str, ...]) -> str | None:

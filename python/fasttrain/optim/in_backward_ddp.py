@@ -68,6 +68,13 @@ class StepInBackwardDDP(StepInBackward):
         if _ACTIVE.get(self._optimizer) is self:
             del _ACTIVE[self._optimizer]
 
+    def rearm(self) -> None:
+        """Step again after ``remove()`` (the hook never left DDP): a later ``train()`` on the same DDP model."""
+        if _ACTIVE.get(self._optimizer, self) is not self:
+            raise ValueError("step_in_backward_ddp: this optimizer steps in backward through another handle")
+        self.removed = False
+        _ACTIVE[self._optimizer] = self
+
     # -- the communication hook -----------------------------------------------------------------------------------
 
     # no annotations on the hook: DDP compares them to dist.GradBucket / Future[Tensor] as objects, and this
