@@ -102,8 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="fasttrain", description="fasttrain: a faster transformers Trainer")
     parser.add_argument("--version", action="version", version=f"fasttrain {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _bench_parser(sub)
+    _bench_parser(parser.add_subparsers(dest="command", metavar="COMMAND"))
     return parser
 
 
@@ -111,13 +110,14 @@ def _unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
     """'unrecognized arguments: ...', with the closest known option for each misspelled one."""
     known = [option for action in parser._actions for option in action.option_strings]
     hints = []
-    for extra in extras:
-        name = extra.split("=", 1)[0]
-        close = difflib.get_close_matches(name, known, n=1) if name.startswith("--") else []
-        if close:
+    for name in (extra.split("=", 1)[0] for extra in extras):
+        if name.startswith("--") and (close := difflib.get_close_matches(name, known, n=1)):
             hints.append(f"{name}: did you mean {close[0]}?")
-    message = "unrecognized arguments: " + " ".join(extras)
-    return message + ("" if not hints else " (" + "; ".join(hints) + ")")
+    return "unrecognized arguments: " + " ".join(extras) + (f" ({'; '.join(hints)})" if hints else "")
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
 
 
 def _cuda_available() -> bool:
@@ -153,10 +153,9 @@ def settings(args: argparse.Namespace) -> dict:
         merged["seq_len"] = merged["seq_len"][merged["lengths"]]
     if "warmup_steps" not in given:  # derived from --steps: `--steps 1` alone must not trip over it
         merged["warmup_steps"] = min(merged["warmup_steps"], max(merged["steps"] - 1, 0))
-    if trainer not in GENERATING_TRAINERS:
-        wrong = [f"--{k.replace('_', '-')}" for k in GENERATION_FIELDS if k in given]
-        if wrong:
-            raise UsageError(f"{', '.join(wrong)} only apply to --trainer grpo and rloo")
+    wrong = [_flag(k) for k in GENERATION_FIELDS if k in given]
+    if wrong and trainer not in GENERATING_TRAINERS:
+        raise UsageError(f"{', '.join(wrong)} only apply to --trainer grpo and rloo")
     merged.setdefault("threads", len(os.sched_getaffinity(0)))
     return merged
 
@@ -171,7 +170,7 @@ def _check(s: dict) -> None:
                                                     else {})}  # fmt: skip
     for key, minimum in minimums.items():
         if s[key] < minimum:
-            raise UsageError(f"--{key.replace('_', '-')} must be at least {minimum} (got {s[key]})")
+            raise UsageError(f"{_flag(key)} must be at least {minimum} (got {s[key]})")
     if s["warmup_steps"] >= s["steps"]:
         raise UsageError(f"--warmup-steps ({s['warmup_steps']}) must be smaller than --steps ({s['steps']})")
     if generates and (s["batch_size"] * s["grad_accum"]) % s["num_generations"]:
@@ -199,23 +198,22 @@ def _check(s: dict) -> None:
 
         if not torch.backends.mkldnn.is_available():
             raise UsageError("--bf16 on cpu needs a torch build with oneDNN (mkldnn)")
-    frontier_only = [f"--{k.replace('_', '-')}" for k in ("memory_budget", "max_length") if k in s]
-    if not s.get("frontier") and frontier_only:
+    frontier_only = [_flag(k) for k in ("memory_budget", "max_length") if k in s]
+    if frontier_only and not s.get("frontier"):
         raise UsageError(f"{', '.join(frontier_only)} only apply to --frontier")
-    if s.get("frontier"):
+    if s.get("frontier") and trainer != "transformers":
+        raise UsageError(
+            f"--frontier runs transformers.Trainer against fasttrain.Trainer, not --trainer {trainer}"
+        )
+    if "memory_budget" in s:  # --frontier's (checked above)
         from .bench.frontier import parse_size
 
-        if trainer != "transformers":
-            raise UsageError(
-                f"--frontier runs transformers.Trainer against fasttrain.Trainer, not --trainer {trainer}"
-            )
         try:
-            if "memory_budget" in s:
-                parse_size(s["memory_budget"])
+            parse_size(s["memory_budget"])
         except ValueError as exc:
             raise UsageError(f"--memory-budget: {exc}") from None
-        if s.get("max_length", s["seq_len"]) < s["seq_len"]:
-            raise UsageError(f"--max-length ({s['max_length']}) must be at least --seq-len ({s['seq_len']})")
+    if s.get("max_length", s["seq_len"]) < s["seq_len"]:
+        raise UsageError(f"--max-length ({s['max_length']}) must be at least --seq-len ({s['seq_len']})")
     if s["liger"] and generates:
         raise UsageError(
             f"--liger does not apply to --trainer {trainer}: TRL keeps its own fused LM head there"
@@ -237,6 +235,7 @@ def _check(s: dict) -> None:
 def resolve(args: argparse.Namespace):
     """Validated settings: (BenchConfig, contenders, repeats)."""
     from .bench.config import FASTTRAIN, LIGER, REFERENCE, BenchConfig, Contender
+    from .bench.summary import ABLATION_PREFIX
 
     s = settings(args)
     _check(s)
@@ -255,7 +254,7 @@ def resolve(args: argparse.Namespace):
     if s["liger"]:
         contenders.insert(1, Contender(LIGER, LIGER))
     if s.get("ablate") is not None:
-        contenders += [Contender(f"fasttrain-no-{name}", FASTTRAIN, name) for name in _ablated(s["ablate"])]
+        contenders += [Contender(ABLATION_PREFIX + name, FASTTRAIN, name) for name in _ablated(s["ablate"])]
     return config, contenders, s["repeats"]
 
 
@@ -292,7 +291,7 @@ def announce(config, contenders, repeats: int) -> list[str]:
 
 
 def bench(args: argparse.Namespace, argv: list[str]) -> int:
-    from .bench import provenance, report, runner, summary
+    from .bench import profile, provenance, report, roofline, runner, summary
 
     config, contenders, repeats = resolve(args)
     s = settings(args)
@@ -300,37 +299,31 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
         from .bench.frontier_report import frontier_bench
 
         return frontier_bench(config, contenders, s, args, shlex.join(["fasttrain", *argv]))
-    for line in announce(config, contenders, repeats):
-        print(line, file=sys.stderr)
-    limit = None
-    if config.trainer_type == "transformers":  # the model FLOPs a token costs are known for plain causal LMs
-        from .bench.roofline import measure_matmul_rate
-
-        limit = measure_matmul_rate(config.device, config.threads)
+    print(*announce(config, contenders, repeats), sep="\n", file=sys.stderr)
+    # the model FLOPs a token costs are known for plain causal LMs: --trainer transformers
+    plain = config.trainer_type == "transformers"
+    limit = roofline.measure_matmul_rate(config.device, config.threads) if plain else None
     started = time.perf_counter()
     # argv as given to main(), which may not be sys.argv
     origin = provenance.record("liger-kernel", command_line=shlex.join(["fasttrain", *argv]))
 
-    def assemble(results, failures, complete: bool) -> dict:
+    def assemble(results, failures, complete: bool = False) -> dict:
         data = summary.build(results, failures)
         data.update(provenance=origin, config=config.to_json(), wall_s=time.perf_counter() - started)
         # a failed run counts as done; the skipped repetitions of a failed contender never will be
-        done = sum(len(runs) for runs in results.values()) + len(failures)
+        finished = [r for runs in results.values() for r in runs]
+        done = len(finished) + len(failures)
         data.update(complete=complete, runs_done=done, runs_planned=len(contenders) * repeats)
-        during = [
-            r["load_average_during"] for runs in results.values() for r in runs if "load_average_during" in r
-        ]
         data["load_average"] = {"end": provenance.load_average()}
-        if during:
+        if during := [r["load_average_during"] for r in finished if "load_average_during" in r]:
             mean = sum(d["mean"] for d in during) / len(during)
             data["load_average"]["during_runs"] = {"mean": mean, "max": max(d["max"] for d in during)}
         if limit is not None:
-            from .bench.roofline import percent_of_limit
-
             data["matmul_limit"] = limit
+            rate = limit["matmul_flops_per_s"]
             for side in [*data.values(), *data.get("ablations", {}).values()]:
                 if isinstance(side, dict) and "tokens_per_s" in side:
-                    side["percent_of_matmul_limit"] = percent_of_limit(side, limit["matmul_flops_per_s"])
+                    side["percent_of_matmul_limit"] = roofline.percent_of_limit(side, rate)
         return data
 
     def write_files(data: dict) -> None:
@@ -339,18 +332,15 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
         if args.markdown:
             report.write_text(args.markdown, report.markdown(config, data))
 
-    def on_run(results, failures) -> None:
-        write_files(assemble(results, failures, complete=False))
-
     results, failures = runner.run_all(
-        config, contenders, repeats, progress=not args.no_progress, on_run=on_run
+        config, contenders, repeats, not args.no_progress, lambda *run: write_files(assemble(*run))
     )
     data = assemble(results, failures, complete=True)
     print(report.text_table(config, data))
     if args.profile:
-        from .bench.profile_runs import profile_contenders
-
-        data["profile"] = profile_contenders(config, contenders, failures, limit, origin, args.profile)
+        data["profile"] = profile.profile_contenders(
+            config, contenders, failures, limit, origin, args.profile
+        )
     write_files(data)
     if args.plot and report.finished_columns(data):
         report.plot(args.plot, config, data)

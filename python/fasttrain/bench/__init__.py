@@ -4,10 +4,7 @@ The command is the product; this package is its implementation, not a library: n
 and any module may change with the command. (The scripts under benchmarks/ share benchmarks/_common.py, and
 tests/test_bench_scripts.py keeps them off this package.)
 
-Layout: ``corpus`` (the stdlib source corpus), ``tokenizer`` (a BPE trained on it, cached), ``models``
-(built-in Qwen3 shapes), ``data`` (examples), ``config`` (one run's settings), ``worker`` (one training run
-in a child process), ``runner`` (alternating runs, progress), ``summary`` (medians, ratios), ``report``
-(table, JSON, Markdown, plot), ``trl_runs`` (the TRL trainers), ``rl_runs`` (GRPO and RLOO: prompts, completions),
-``rewards`` (their reward functions), ``phases`` (a generating step's generation and training phases, apart),
-``presets`` (every default), ``provenance`` (where a result came from). How it measures: docs/method.md.
+A run: ``presets`` and ``config`` (its settings), ``runner`` (alternating child processes), ``worker`` (one
+training run: ``data`` from ``corpus`` and ``tokenizer``, ``models``, TRL's trainers in ``trl_runs``,
+``rl_runs``), ``summary`` and ``report`` (medians, ratios, the outputs). How it measures: docs/method.md.
 """

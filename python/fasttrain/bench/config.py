@@ -30,11 +30,8 @@ class BenchConfig:
     learning_rate: float
     warmup_steps: int
     group_by_length: bool
-    # "transformers": transformers.Trainer against fasttrain.Trainer; "sft" / "dpo" / "kto" / "grpo" / "rloo":
-    # TRL's trainer of that name, plain against under fasttrain.patch()
-    trainer_type: str = "transformers"
-    # "natural": the data's own lengths; "lognormal": drawn like instruction data (see bench/data.py)
-    lengths: str = "natural"
+    trainer_type: str = "transformers"  # --trainer: "transformers" or TRL's sft, dpo, kto, grpo, rloo
+    lengths: str = "natural"  # --lengths (bench/data.py)
     # GRPO and RLOO (bench/rl_runs.py): completions per prompt, their length limit, and where they come from:
     # "sampled" (TRL's model.generate) or "synthetic" (random tokens, no generation: the training phase alone)
     num_generations: int = 8
@@ -65,10 +62,7 @@ class BenchConfig:
     def to_json(self) -> dict[str, Any]:
         """The settings; GRPO's and RLOO's only where the run generates (elsewhere they would mean nothing)."""
         out = dataclasses.asdict(self)
-        if not self.generates:
-            for key in GENERATION_FIELDS:
-                del out[key]
-        return out
+        return out if self.generates else {k: v for k, v in out.items() if k not in GENERATION_FIELDS}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> BenchConfig:
@@ -97,7 +91,6 @@ def dump(path, payload: dict[str, Any]) -> None:
 
 def training_kwargs(config: BenchConfig, contender: Contender, output_dir: str, args_cls) -> dict[str, Any]:
     """The arguments every contender shares, for ``args_cls`` (TrainingArguments or a TRL config subclass)."""
-    fields = {f.name for f in dataclasses.fields(args_cls)}
     kwargs: dict[str, Any] = dict(
         output_dir=output_dir,
         max_steps=config.steps,
@@ -121,10 +114,8 @@ def training_kwargs(config: BenchConfig, contender: Contender, output_dir: str, 
         kwargs["gradient_checkpointing"] = True
     if config.group_by_length:
         # transformers 5.x names it train_sampling_strategy; older releases (the GPU machine's 5.17 may) group_by_length
-        if "train_sampling_strategy" in fields:
-            kwargs["train_sampling_strategy"] = "group_by_length"
-        else:
-            kwargs["group_by_length"] = True
+        new = any(f.name == "train_sampling_strategy" for f in dataclasses.fields(args_cls))
+        kwargs.update({"train_sampling_strategy": "group_by_length"} if new else {"group_by_length": True})
     if contender.trainer == LIGER:
         kwargs["use_liger_kernel"] = True
     return kwargs

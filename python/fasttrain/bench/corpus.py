@@ -7,6 +7,7 @@ document, in a fixed pseudo-random order so that a prefix of the corpus mixes pa
 
 from __future__ import annotations
 
+import itertools
 import os
 import pathlib
 import random
@@ -42,21 +43,15 @@ def stdlib_files(root: pathlib.Path | None = None) -> list[pathlib.Path]:
 
 def iter_documents(root: pathlib.Path | None = None, min_chars: int = 64) -> Iterator[str]:
     """The text of each stdlib file, skipping near-empty ones (``__init__.py`` stubs) and undecodable ones."""
-    yield from (
-        text for text in map(_read, stdlib_files(root)) if text is not None and len(text) >= min_chars
-    )
+    texts = map(_read, stdlib_files(root))
+    yield from (text for text in texts if text is not None and len(text) >= min_chars)
 
 
 def leading_files(max_bytes: int, root: pathlib.Path | None = None) -> list[pathlib.Path]:
     """Files from the start of the corpus order until ``max_bytes`` bytes are covered (sizes from ``stat``)."""
-    out: list[pathlib.Path] = []
-    total = 0
-    for path in stdlib_files(root):
-        out.append(path)
-        total += path.stat().st_size
-        if total >= max_bytes:
-            break
-    return out
+    files = stdlib_files(root)
+    totals = itertools.accumulate(path.stat().st_size for path in files)
+    return files[: next((i + 1 for i, total in enumerate(totals) if total >= max_bytes), len(files))]
 
 
 def _read(path: pathlib.Path) -> str | None:

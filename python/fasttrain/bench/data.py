@@ -1,16 +1,11 @@
-"""Training examples for the bench: the same token ids, in the same order, for every contender.
-
-``--lengths natural``: each document truncated to ``seq_len`` from its start, shorter ones left short (padded by the
-collator). A document of the built-in corpus is a run of consecutive top-level blocks of one stdlib file joined
-while they fit in ``seq_len``; of a local or hub dataset, one row's ``text``. ``--lengths lognormal``: seeded
-log-normal lengths like instruction data, each example filled with the next tokens of the data read as one stream
-(an end-of-text token between two documents); ``--lengths full``: every example ``seq_len`` tokens of that stream
-(the length frontier's). docs/method.md says the same for users.
+"""Training examples for the bench: the same token ids, in the same order, for every contender
+(``build_examples``; docs/method.md, "Data"). A document of the built-in corpus is a run of consecutive
+top-level blocks of one stdlib file joined while they fit in ``seq_len``; of a local or hub dataset, one row's
+``text``. Streamed lengths put an end-of-text token between two documents.
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
 from collections.abc import Iterable
 
@@ -37,40 +32,40 @@ def check_dataset_spec(spec: str) -> None:
     """Fail early, in the parent process, on a ``--dataset`` that cannot work."""
     if spec == DEFAULT:
         return
+    from .models import hub_offline, looks_like_local_path
+
     path = pathlib.Path(spec).expanduser()
-    if path.suffix.lower() in _LOCAL_FORMATS or os.path.exists(path) or spec.startswith((".", "/", "~")):
-        if not path.is_file():
-            raise DatasetError(f"--dataset {spec!r}: no such file")
-        if path.suffix.lower() not in _LOCAL_FORMATS:
+    kind = _LOCAL_FORMATS.get(path.suffix.lower())
+    if not (kind or looks_like_local_path(spec)):
+        if hub_offline():
             raise DatasetError(
-                f"--dataset {spec!r}: unsupported file type {path.suffix!r} (use .json, .jsonl, .parquet or .txt)"
+                f"--dataset {spec!r} is a hub dataset but HF_HUB_OFFLINE is set; use a local file"
             )
-        # the columns too, before any model is built (a .txt file always gives `text`); the load is cached
-        # by datasets, so the workers read it again at no cost
-        if _LOCAL_FORMATS[path.suffix.lower()] != "text":
-            columns = _quiet_column_names(spec)
-            if "text" not in columns and "input_ids" not in columns:
-                raise DatasetError(
-                    f"--dataset {spec!r} has no 'text' or 'input_ids' column (columns: {', '.join(columns)})"
-                )
-        return
-    from .models import hub_offline
+    elif not path.is_file():
+        raise DatasetError(f"--dataset {spec!r}: no such file")
+    elif not kind:
+        raise DatasetError(
+            f"--dataset {spec!r}: unsupported file type {path.suffix!r} (use .json, .jsonl, .parquet or .txt)"
+        )
+    elif kind != "text":
+        # the columns too, before any model is built (a .txt file always gives `text`), without datasets'
+        # progress bars (the error must stay one line); datasets caches the load for the workers
+        from datasets.utils import logging as datasets_logging
 
-    if hub_offline():
-        raise DatasetError(f"--dataset {spec!r} is a hub dataset but HF_HUB_OFFLINE is set; use a local file")
+        was_on = datasets_logging.is_progress_bar_enabled()
+        datasets_logging.disable_progress_bar()
+        try:
+            _check_columns(spec, _load_rows(spec).column_names)
+        finally:
+            if was_on:
+                datasets_logging.enable_progress_bar()
 
 
-def _quiet_column_names(spec: str) -> list[str]:
-    """The columns of a local file, without datasets' progress bars (the parent's error must stay one line)."""
-    from datasets.utils import logging as datasets_logging
-
-    was_on = datasets_logging.is_progress_bar_enabled()
-    datasets_logging.disable_progress_bar()
-    try:
-        return _load_rows(spec).column_names
-    finally:
-        if was_on:
-            datasets_logging.enable_progress_bar()
+def _check_columns(spec: str, columns: list[str]) -> None:
+    if "text" not in columns and "input_ids" not in columns:
+        raise DatasetError(
+            f"--dataset {spec!r} has no 'text' or 'input_ids' column (columns: {', '.join(columns)})"
+        )
 
 
 def _load_rows(spec: str):
@@ -99,10 +94,7 @@ def _token_blocks(spec: str, tokenizer) -> Iterable[list[list[int]]]:
     if "input_ids" in rows.column_names:  # already tokenized: used as is
         yield from ([list(row)] for row in rows["input_ids"])
         return
-    if "text" not in rows.column_names:
-        raise DatasetError(
-            f"--dataset {spec!r} has no 'text' or 'input_ids' column (columns: {', '.join(rows.column_names)})"
-        )
+    _check_columns(spec, rows.column_names)
     for text in rows["text"]:
         if isinstance(text, str) and text.strip():
             yield [tokenizer(text, add_special_tokens=False)["input_ids"]]
@@ -139,15 +131,13 @@ def _natural_examples(spec: str, tokenizer, seq_len: int, num_examples: int) -> 
 def describe_lognormal(upper: int | str, lower: int = MIN_TOKENS) -> str:
     """The lengths ``lognormal_lengths`` draws, said from its parameters. Clipping keeps order, so the clipped
     lengths' median is the clipped median: a limit below ``LOGNORMAL_MEDIAN`` moves it (``upper`` may be a name)."""
+    drawn = f"median {LOGNORMAL_MEDIAN}, sigma {LOGNORMAL_SIGMA}"
     if isinstance(upper, str):
-        return f"log-normal lengths (median {LOGNORMAL_MEDIAN}, sigma {LOGNORMAL_SIGMA}, clipped to {lower}..{upper})"
+        return f"log-normal lengths ({drawn}, clipped to {lower}..{upper})"
     median = min(max(LOGNORMAL_MEDIAN, lower), upper)
     if median == LOGNORMAL_MEDIAN:
-        return f"log-normal lengths (median {median}, sigma {LOGNORMAL_SIGMA}, {lower}..{upper} tokens)"
-    return (
-        f"log-normal lengths (median {median}: median {LOGNORMAL_MEDIAN}, sigma {LOGNORMAL_SIGMA}, clipped to "
-        f"{lower}..{upper} tokens)"
-    )
+        return f"log-normal lengths ({drawn}, {lower}..{upper} tokens)"
+    return f"log-normal lengths (median {median}: {drawn}, clipped to {lower}..{upper} tokens)"
 
 
 def lognormal_lengths(count: int, seq_len: int, seed, lower: int = MIN_TOKENS) -> list[int]:
@@ -191,9 +181,3 @@ def build_examples(
     if lengths != NATURAL:
         raise DatasetError(f"--lengths must be one of {', '.join(LENGTH_KINDS)}, got {lengths!r}")
     return _natural_examples(spec, tokenizer, seq_len, num_examples)
-
-
-def as_dataset(examples: list[list[int]]):
-    import datasets
-
-    return datasets.Dataset.from_dict({"input_ids": examples})

@@ -1,22 +1,18 @@
-"""``fasttrain bench --frontier``: the longest sequence each contender trains within a memory budget.
+"""``fasttrain bench --frontier``: the longest sequence each contender trains within a memory budget (the
+method: docs/usage.md, "The memory frontiers").
 
-Each probe is one optimizer step at batch 1 on one example of exactly the probed length (``--lengths full``), with
-the Trainer's gradient checkpointing, in a process of its own (runner.run_one), whose resident memory the parent
-reads every few milliseconds: past the budget the child is stopped and the length does not fit. The kernel's OOM
-killer never decides, as long as the budget is below what the machine has free. A run that fits by the parent's
-reads but whose own high-water mark (ru_maxrss, read by the child at its end) passed the budget does not fit
-either: a spike between two reads still counts.
-
-Lengths: ``--seq-len`` (the start), doubled until a probe does not fit or ``--max-length`` is passed, then
-bisected between the longest that fit and the shortest that did not until they are within ``TOLERANCE`` of each
-other (lengths kept multiples of ``ROUND``). Then every other contender runs once more at the reference's longest
-length, if it did not already, so that the table can say what each needs there.
+Every probe runs in a process of its own (runner.run_one) whose resident memory the parent reads every few
+milliseconds and stops past the budget: the kernel's OOM killer never decides, as long as the budget is below
+what the machine has free. A run whose own high-water mark (ru_maxrss, read by the child at its end) passed
+the budget does not fit either: a spike between two reads still counts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -24,13 +20,11 @@ from typing import Any
 from .config import REFERENCE, BenchConfig, Contender
 from .runner import OverBudget, RunFailed, run_one
 
-TOLERANCE = (
-    0.10  # the bisection stops when the first length that did not fit is within 10% of the longest that did
-)
+# the bisection stops when the first length that did not fit is within 10% of the longest that did
+TOLERANCE = 0.10
 ROUND = 64  # probed lengths are multiples of this (whole tiles for every kernel)
-_MARGIN = (
-    0.10  # the default budget leaves this share of the available memory (at least _MIN_MARGIN) to the rest
-)
+# the default budget on CPU leaves this share of the available memory (at least _MIN_MARGIN) to the rest
+_MARGIN = 0.10
 _MIN_MARGIN = 2**30
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}  # fmt: skip
@@ -54,8 +48,15 @@ def available_bytes() -> int:
     raise OSError("no MemAvailable line in /proc/meminfo")
 
 
-def default_budget() -> int:
-    """The machine's available memory less a margin (10%, at least 1 GiB) for everything else it runs."""
+def budget_for(device: str, given: str | None) -> int:
+    """``given`` (a size), else on cuda 95% of the device's free memory, else the machine's available memory
+    less a margin (10%, at least 1 GiB) for everything else it runs."""
+    if given:
+        return parse_size(given)
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0] * 0.95)
     free = available_bytes()
     return free - max(int(free * _MARGIN), _MIN_MARGIN)
 
@@ -64,38 +65,49 @@ def default_budget() -> int:
 class Probe:
     length: int
     fits: bool
-    peak_bytes: int | None = (
-        None  # the child's high-water mark, or the parent's last read when it was stopped
-    )
+    # the child's high-water mark, or the parent's last read when it was stopped
+    peak_bytes: int | None = None
     tokens_per_s: float | None = None
     step_s: float | None = None
     loss: float | None = None
     why: str | None = None  # why it did not fit
 
 
+Found = dict[str, list[Probe]]  # contender -> its probes, in the order they ran
+
+
 def _round(length: int) -> int:
     return max(ROUND, (length + ROUND // 2) // ROUND * ROUND)
+
+
+def under_budget(
+    config: BenchConfig, contender: Contender, tag: str, budget: int, workdir: str
+) -> tuple[dict[str, Any] | None, int | None, str | None]:
+    """One run in a child under ``budget``: (its result, None when the parent stopped it; its peak; why it
+    does not fit, None if it fits). On cuda the child's memory fraction holds the budget, not the parent."""
+    watched = budget if config.device == "cpu" else None
+    try:
+        result = run_one(config, contender, workdir, tag, lambda _: None, watched)
+    except OverBudget as exc:
+        return None, exc.peak_bytes, "passed the budget (stopped by the parent)"
+    peak = int(result["peak_memory_mb"] * 2**20)
+    return result, peak, None if peak <= budget else "its high-water mark passed the budget"
 
 
 def probe(config: BenchConfig, contender: Contender, length: int, budget: int, workdir: str) -> Probe:
     """One optimizer step at ``length`` tokens in a child under ``budget``."""
     at = dataclasses.replace(config, seq_len=length)
     try:
-        watched = (
-            budget if config.device == "cpu" else None
-        )  # on cuda the child's own memory fraction holds it
-        result = run_one(at, contender, workdir, f"{contender.name}-{length}", lambda _: None, watched)
-    except OverBudget as exc:
-        return Probe(length, False, exc.peak_bytes, why="passed the budget (stopped by the parent)")
+        result, peak, why = under_budget(at, contender, f"{contender.name}-{length}", budget, workdir)
     except RunFailed as exc:
         if "not enough memory" in str(exc) or "out of memory" in str(exc).lower():
             return Probe(length, False, why="the allocator ran out of memory")
         raise
-    peak = int(result["peak_memory_mb"] * 2**20)
+    if result is None:
+        return Probe(length, False, peak, why=why)
     losses = [x for x in result["losses"] if x is not None]
-    fits = peak <= budget
-    return Probe(length, fits, peak, result["tokens_per_s"], result["step_time_s"], losses[-1] if losses else None,
-                 None if fits else "its high-water mark passed the budget")  # fmt: skip
+    loss = losses[-1] if losses else None
+    return Probe(length, why is None, peak, result["tokens_per_s"], result["step_time_s"], loss, why)
 
 
 def search(run: Callable[[int], Probe], start: int, max_length: int) -> list[Probe]:
@@ -128,42 +140,38 @@ def run_frontier(
     contenders: list[Contender],
     budget: int,
     max_length: int,
-    on_probe: Callable[[dict[str, list[Probe]]], None] | None = None,
-    say: Callable[[str], None] = print,
-) -> dict[str, list[Probe]]:
-    """Every contender's probes (search, then one at the reference's longest length where it did not run)."""
-    found: dict[str, list[Probe]] = {c.name: [] for c in contenders}
+    on_probe: Callable[[Found], None],
+) -> Found:
+    """Every contender's probes (search, then one at the reference's longest length where it did not run);
+    ``on_probe(found)`` after each. What it probes is said on stderr."""
+    found: Found = {c.name: [] for c in contenders}
     with tempfile.TemporaryDirectory(prefix="fasttrain-frontier-") as workdir:
 
-        def runner(contender: Contender) -> Callable[[int], Probe]:
-            def run(length: int) -> Probe:
-                say(f"fasttrain bench --frontier: {contender.name} at {length} tokens ...")
-                result = probe(config, contender, length, budget, workdir)
-                peak = "-" if result.peak_bytes is None else f"{result.peak_bytes / 2**30:.2f} GiB"
-                say(f"  {'fits' if result.fits else 'does not fit'} (peak {peak})")
-                found[contender.name].append(result)
-                if on_probe is not None:
-                    on_probe(found)
-                return result
-
-            return run
+        def run(contender: Contender, length: int) -> Probe:
+            print(f"fasttrain bench --frontier: {contender.name} at {length} tokens ...", file=sys.stderr)
+            result = probe(config, contender, length, budget, workdir)
+            peak = "-" if result.peak_bytes is None else f"{result.peak_bytes / 2**30:.2f} GiB"
+            print(f"  {'fits' if result.fits else 'does not fit'} (peak {peak})", file=sys.stderr)
+            found[contender.name].append(result)
+            on_probe(found)
+            return result
 
         for contender in contenders:
             try:
-                search(runner(contender), config.seq_len, max_length)
+                search(functools.partial(run, contender), config.seq_len, max_length)
             except RunFailed as exc:  # not a memory verdict: recorded, and the other contenders go on
                 found[contender.name].append(Probe(0, False, why=f"crashed: {exc}"))
         best = longest(found.get(REFERENCE, []))
         for contender in contenders if best is not None else []:
             if all(p.length != best.length for p in found[contender.name]):
                 try:
-                    runner(contender)(best.length)
+                    run(contender, best.length)
                 except RunFailed as exc:
                     found[contender.name].append(Probe(best.length, False, why=f"crashed: {exc}"))
     return found
 
 
-def summarize(found: dict[str, list[Probe]], budget: int) -> dict[str, Any]:
+def summarize(found: Found, budget: int) -> dict[str, Any]:
     """The table's facts: each contender's longest length, its peak and speed there, the first length that did
     not fit, and its peak at the reference's longest length (and the ratio to the reference's)."""
     reference = longest(found.get(REFERENCE, []))

@@ -84,8 +84,7 @@ def describe_summary(summary: dict) -> str:
     parts += [f"vocab {summary['vocab_size']:,}", f"{_millions(summary['parameters'])} parameters"]
     share = summary.get("lm_head_matmul_share")
     if share is not None:  # one decimal near 100%: "100%" would say the layers cost nothing
-        parts.append(f"LM head {share:.1%}" if share > 0.99 else f"LM head {share:.0%}")
-        parts[-1] += " of the matmul FLOPs"
+        parts.append(f"LM head {share:.{1 if share > 0.99 else 0}%} of the matmul FLOPs")
     return ", ".join(parts)
 
 

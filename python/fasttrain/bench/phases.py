@@ -8,6 +8,7 @@ to /proc/self/clear_refs (Linux 4.0+). Where the reset is refused the phases hav
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -20,13 +21,10 @@ _CLEAR_REFS = "/proc/self/clear_refs"
 
 def _rss_peak_mb() -> float | None:
     """The process's peak RSS (VmHWM), in MiB; None where /proc/self/status has none."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 2**10  # kB
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/status", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**10  # kB
     return None
 
 
@@ -97,10 +95,8 @@ class PhaseMeter:
         self._step = {"s": 0.0, "cpu_s": 0.0, "tokens": 0}
 
     def _close(self, phase: str) -> None:
-        peak = self._take_peak()
-        if peak is not None:
-            known = self.peak_mb[phase]
-            self.peak_mb[phase] = peak if known is None else max(known, peak)
+        if (peak := self._take_peak()) is not None:
+            self.peak_mb[phase] = max(peak, self.peak_mb[phase] or 0.0)
 
     def _take_peak(self) -> float | None:
         """The peak since the previous call (or the process start), then reset; None if it cannot be reset."""
@@ -119,14 +115,11 @@ class PhaseMeter:
         return peak
 
 
-def phase_results(
-    meter: PhaseMeter, result: dict[str, Any], cpu_times: list[float], warmup: int
-) -> dict[str, Any]:
+def phase_results(meter: PhaseMeter, result: dict[str, Any], cpu_times: list[float], warmup: int) -> dict:
     """The worker's figures split by phase (the first ``warmup`` steps untimed): ``tokens_per_s`` and
     ``tokens_per_cpu_s`` become the training phase's (scored tokens over its time), ``step_time_s`` stays the
     whole step's. ``result`` holds the run's ``step_times_s`` and ``tokens_per_step`` (the loss forwards' tokens);
     ``cpu_times`` is the process's CPU clock at the start and at each step's end."""
-    nan = float("nan")
     step_s = result["step_times_s"]
     step_cpu_s = [b - a for a, b in itertools.pairwise(cpu_times)]
     scored = result["tokens_per_step"]
@@ -138,7 +131,7 @@ def phase_results(
         return sum(values[i] for i in timed)
 
     def per(numerator: float, denominator: float) -> float:
-        return numerator / denominator if denominator > 0 else nan
+        return numerator / denominator if denominator > 0 else float("nan")
 
     out: dict[str, Any] = {
         "phases": f"{GENERATION}: inside model.generate; {TRAINING}: the rest of each optimizer step",
@@ -161,8 +154,7 @@ def phase_results(
     # on CPU the reset also reset ru_maxrss: the run's peak is the phases' and setup's, where told apart
     if meter.setup_peak_mb is not None:
         run_peak = max(v for v in (meter.setup_peak_mb, *meter.peak_mb.values()) if v is not None)
-        out["peak_memory_mb"] = run_peak
-        out["peak_above_setup_mb"] = run_peak - setup
+        out.update(peak_memory_mb=run_peak, peak_above_setup_mb=run_peak - setup)
         if not meter.is_cuda:
             out["memory_kind"] = "peak RSS (VmHWM, reset at each phase change)"
     return out

@@ -1,13 +1,14 @@
 """Every default of ``fasttrain bench``, in one table: the built-in presets and the GPU kit's.
 
 A run's settings are three layers, later ones winning: the built-in preset of its device and trainer family
-(``default_for``), the ``--preset`` named (if any) and the options given on the command line. ``--smoke`` swaps a
-preset (the named one, else the built-in one) for its tiny-CPU twin: the same command, run through in seconds
-without a GPU.
+(``default_for``), the ``--preset`` named (if any) and the options given on the command line. ``--smoke``
+swaps a preset (the named one, else the built-in one) for its tiny-CPU twin: the same command, run through in
+seconds without a GPU.
 
 "seq_len" may be a mapping per ``--lengths`` kind: the built-in limit differs for drawn and natural lengths.
-"warmup_steps" is capped at ``steps - 1`` unless given on the command line, so that a short run still times a step.
-"liger" None means: on for cuda when liger_kernel imports (not for GRPO/RLOO, where TRL keeps its own head).
+"warmup_steps" is capped at ``steps - 1`` unless given on the command line, so that a short run still times a
+step. "liger" None means: on for cuda when liger_kernel imports (not for GRPO/RLOO, where TRL keeps its own
+head).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 from typing import Any
 
 from . import models
+from .config import FASTTRAIN, REFERENCE, Contender
 
 # What every built-in preset shares; the entries below say only where they differ.
 _COMMON: dict[str, Any] = {"dataset": "default", "grad_accum": 1, "warmup_steps": 2, "repeats": 2, "seed": 0,
@@ -27,11 +29,12 @@ _TINY_CPU = {"device": "cpu", "model": "tiny", "repeats": 1}
 # The tiny-CPU twins (--smoke): a run of seconds that goes through the same code as its preset
 _TWIN = {**_TINY_CPU, "steps": 3, "warmup_steps": 1, "seq_len": 64, "batch_size": 2}
 _TRL_TWIN = {**_TINY_CPU, "steps": 2, "seq_len": 48, "batch_size": 2}
-_RL_TWIN = {**_TINY_CPU, "lengths": "lognormal", "steps": 2, "warmup_steps": 1, "seq_len": 48, "batch_size": 4,
-            "num_generations": 4, "max_completion_length": 16}  # fmt: skip
+_RL_TWIN = {**_TINY_CPU, "lengths": "lognormal", "steps": 2, "warmup_steps": 1, "seq_len": 48,
+            "batch_size": 4, "num_generations": 4, "max_completion_length": 16}  # fmt: skip
 _CUDA_SHAPE = {"device": "cuda", "model": "qwen3-0.6b", "bf16": True}
-_FRONTIER = {**_COMMON, "model": "qwen3-0.6b", "lengths": "full", "batch_size": 1, "steps": 1, "warmup_steps": 0,
-             "repeats": 1, "gradient_checkpointing": True, "frontier": True}  # fmt: skip
+_FRONTIER = {**_COMMON, "model": "qwen3-0.6b", "lengths": "full", "batch_size": 1, "steps": 1,
+             "warmup_steps": 0, "repeats": 1, "gradient_checkpointing": True, "frontier": True}  # fmt: skip
+_FRONTIER_TWIN = {**_FRONTIER, **_TINY_CPU, "seq_len": 256, "max_length": 2048}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,14 +50,14 @@ def _share(name: str) -> str:
 
 # fmt: off
 # The CPU default, and what TRL's trainers change of it
-_CPU = {**_COMMON, "model": "qwen3-0.6b", "lengths": "lognormal", "seq_len": {"lognormal": 512, "natural": 256},
-        "batch_size": 2, "steps": 4, "bf16": False}
+_CPU = {**_COMMON, "model": "qwen3-0.6b", "lengths": "lognormal",
+        "seq_len": {"lognormal": 512, "natural": 256}, "batch_size": 2, "steps": 4, "bf16": False}
 PRESETS: dict[str, Preset] = {
     # A released model's shape whose LM head is a realistic share of the FLOPs; log-normal lengths like
     # instruction data, ungrouped, batches of 2: about 6 minutes on 2 cores (a step is ~15-20 s there).
     "cpu": Preset(
-        f"qwen3-0.6b (LM head {_share('qwen3-0.6b')} of the matmul FLOPs), fp32, log-normal lengths up to 512 "
-        "(natural: 256), batch 2, 4 steps",
+        f"qwen3-0.6b (LM head {_share('qwen3-0.6b')} of the matmul FLOPs), fp32, log-normal lengths up to "
+        "512 (natural: 256), batch 2, 4 steps",
         _CPU,
         _TWIN,
     ),
@@ -62,7 +65,8 @@ PRESETS: dict[str, Preset] = {
     "cpu-trl": Preset(
         f"TRL sft/dpo/kto on cpu: qwen3-cpu (LM head {_share('qwen3-cpu')} of the matmul FLOPs), fp32, "
         "log-normal lengths up to 1024 (natural: 256), batch 4, 12 steps",
-        {**_CPU, "model": "qwen3-cpu", "seq_len": {"lognormal": 1024, "natural": 256}, "batch_size": 4, "steps": 12},
+        {**_CPU, "model": "qwen3-cpu", "seq_len": {"lognormal": 1024, "natural": 256}, "batch_size": 4,
+         "steps": 12},
         _TRL_TWIN,
     ),
     # one prompt a step, 8 completions of up to 512 tokens: a few minutes on 2 cores, most of it sampling
@@ -87,7 +91,8 @@ PRESETS: dict[str, Preset] = {
     # The GPU kit (benchmarks/gpu/run.sh), sized for its caps on one H200. Two warm-up steps absorb Triton's
     # compilation (fasttrain's and Liger's kernels); most of each run is process start and model set-up.
     "gpu-e2e": Preset(
-        "GPU kit: qwen3-0.6b, bf16, sequences up to 4096, batch 2, 8 steps, 2 repetitions (+ Liger if installed)",
+        "GPU kit: qwen3-0.6b, bf16, sequences up to 4096, batch 2, 8 steps, 2 repetitions (+ Liger if "
+        "installed)",
         {**_CUDA_SHAPE, "seq_len": 4096, "batch_size": 2, "steps": 8, "warmup_steps": 2, "repeats": 2},
         _TWIN,
     ),
@@ -102,10 +107,11 @@ PRESETS: dict[str, Preset] = {
     ),
     **{
         f"gpu-{trainer}": Preset(
-            f"GPU kit: TRL's {trainer.upper()}Trainer, qwen3-0.6b, bf16, sequences up to 2048, batch 2, 6 steps",
+            f"GPU kit: TRL's {trainer.upper()}Trainer, qwen3-0.6b, bf16, sequences up to 2048, batch 2, "
+            "6 steps",
             # no Liger: a third process per trainer would not fit the kit's cap
-            {**_CUDA_SHAPE, "trainer": trainer, "seq_len": 2048, "batch_size": 2, "steps": 6, "warmup_steps": 2,
-             "repeats": 1, "liger": False},
+            {**_CUDA_SHAPE, "trainer": trainer, "seq_len": 2048, "batch_size": 2, "steps": 6,
+             "warmup_steps": 2, "repeats": 1, "liger": False},
             {**_TRL_TWIN, "trainer": trainer},
         )
         for trainer in ("sft", "dpo")
@@ -119,29 +125,46 @@ PRESETS: dict[str, Preset] = {
          "steps": 5, "warmup_steps": 2, "repeats": 1},
         {**_RL_TWIN, "trainer": "grpo", "completions": "synthetic"},
     ),
-    # --frontier: one optimizer step a probe, batch 1, every example the probed length, gradient checkpointing on
-    # both sides (a user's best memory setting). On 2 CPU cores a qwen3-0.6b step takes minutes at 2,048 tokens and
-    # grows with the square of the length (attention): a budget just above fp32 AdamW's own ~10.7 GiB and a cap of
-    # 4,096 bound the search (43 CPU-minutes measured, docs/measured.md); the whole machine's frontier is hours.
+    # --frontier: one optimizer step a probe, batch 1, every example the probed length, gradient checkpointing
+    # on both sides (a user's best memory setting). On 2 CPU cores a qwen3-0.6b step takes minutes at 2,048
+    # tokens and grows with the square of the length (attention): a budget just above fp32 AdamW's own
+    # ~10.7 GiB and a cap of 4,096 bound the search (43 CPU-minutes measured, docs/measured.md); the whole
+    # machine's frontier is hours.
     "cpu-frontier": Preset(
-        "--frontier on cpu: qwen3-0.6b, fp32, one optimizer step at batch 1 with gradient checkpointing, lengths "
-        "from 512 doubled up to 4096 then bisected to within 10%, budget 12 GiB",
+        "--frontier on cpu: qwen3-0.6b, fp32, one optimizer step at batch 1 with gradient checkpointing, "
+        "lengths from 512 doubled up to 4096 then bisected to within 10%, budget 12 GiB",
         {**_FRONTIER, "device": "cpu", "bf16": False, "seq_len": 512, "max_length": 4096,
          "memory_budget": "12GiB"},
-        {**_FRONTIER, **_TINY_CPU, "seq_len": 256, "max_length": 2048},
+        _FRONTIER_TWIN,
     ),
     "cuda-frontier": Preset(
-        "--frontier on cuda: qwen3-0.6b, bf16, one optimizer step at batch 1 with gradient checkpointing, lengths "
-        "from 4096 doubled up to 524288 then bisected to within 10%",
+        "--frontier on cuda: qwen3-0.6b, bf16, one optimizer step at batch 1 with gradient checkpointing, "
+        "lengths from 4096 doubled up to 524288 then bisected to within 10%",
         {**_FRONTIER, **_CUDA_SHAPE, "seq_len": 4096, "max_length": 524288},
-        {**_FRONTIER, **_TINY_CPU, "seq_len": 256, "max_length": 2048},
+        _FRONTIER_TWIN,
     ),
 }
 # fmt: on
 
 
+# python -m fasttrain.bench.model_frontier's settings: name -> (contender, bf16 weights, max_grad_norm, what
+# it is). The step inside backward cannot wait for a global norm to clip by: max_grad_norm 0 there.
+_LEAN = "state_dtype=8bit,bf16_stochastic_rounding=true,step_in_backward=true"
+MODEL_FRONTIER: dict[str, tuple[Contender, bool, float | None, str]] = {
+    "reference-fp32": (Contender("reference-fp32", REFERENCE), False, None,
+                       "fp32 weights, adamw_torch_fused"),
+    "reference-bf16": (Contender("reference-bf16", REFERENCE), True, None, "bf16 weights, adamw_torch_fused"),
+    "fasttrain-fp32": (Contender("fasttrain-fp32", FASTTRAIN), False, None, "fp32 weights, FusedAdamW"),
+    "fasttrain-8bit": (Contender("fasttrain-8bit", FASTTRAIN, optim_args="state_dtype=8bit"), False, None,
+                       "fp32 weights, 8-bit moments"),
+    "fasttrain-lean": (Contender("fasttrain-lean", FASTTRAIN, optim_args=_LEAN), True, 0.0,
+                       "bf16 weights + stochastic rounding, 8-bit moments, step in backward "
+                       "(max_grad_norm 0)"),
+}  # fmt: skip
+
+
 def default_for(device: str, trainer: str, frontier: bool = False) -> str:
-    """The built-in preset of a device and --trainer (and --frontier): TRL's trainers keep a small shape on CPU."""
+    """The built-in preset of a device, --trainer and --frontier: TRL's trainers keep a small CPU shape."""
     if frontier:
         return f"{device}-frontier"
     if trainer in ("grpo", "rloo"):

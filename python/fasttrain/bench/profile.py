@@ -12,16 +12,20 @@ category, the first that matches:
 - matmuls: the other GEMMs (``mm``, ``addmm``, ``bmm``, ...): the backbone's projections;
 - elementwise and other ops: everything else (RMSNorm, RoPE, SwiGLU, casts, copies, the embedding).
 
-What no operator holds is "outside operators" (Python, the Trainer, the data loader). The kernel's share comes
-from ``getrusage`` over the same step: system CPU-seconds of the whole process (all threads) and minor page faults.
-It overlaps the categories (a page fault happens inside an operator), so it is given beside them, not added.
+What no operator holds is "outside operators" (Python, the Trainer, the data loader). The kernel's share
+(``getrusage``: system CPU-seconds and minor page faults of the whole process) overlaps the categories.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import resource
+import sys
 import time
 from typing import Any
+
+from . import provenance, report, runner
+from .config import BenchConfig, Contender
 
 CATEGORIES = ("matmuls", "LM head", "attention", "optimizer", "elementwise and other ops")
 OUTSIDE = "outside operators"
@@ -58,9 +62,7 @@ def breakdown(events, vocab: int, step_s: float) -> dict[str, float]:
     """Seconds per category for one step, from the profiler's events (self CPU time of every operator and
     record_function scope on the training thread) and the step's wall time."""
     seconds = dict.fromkeys(CATEGORIES, 0.0)
-    for event in events:
-        if event.device_type.name != "CPU":
-            continue
+    for event in (e for e in events if e.device_type.name == "CPU"):
         seconds[category(event, vocab)] += event.self_cpu_time_total / 1e6
     seconds[OUTSIDE] = max(step_s - sum(seconds.values()), 0.0)
     return seconds
@@ -72,15 +74,12 @@ class StepProfiler:
     time, tokens, CPU time and page faults."""
 
     def __init__(self, step: int, vocab: int, is_cuda: bool) -> None:
-        self.step, self.vocab, self.is_cuda = step, vocab, is_cuda
+        import torch
+
+        self.step, self.vocab = step, vocab
+        self._sync = torch.cuda.synchronize if is_cuda else lambda: None
         self._profiler = None
         self.result: dict[str, Any] | None = None
-
-    def _sync(self) -> None:
-        if self.is_cuda:
-            import torch
-
-            torch.cuda.synchronize()
 
     def begin(self, global_step: int, tokens: int) -> None:
         if global_step + 1 != self.step:
@@ -139,8 +138,41 @@ def markdown(profiles: dict[str, dict[str, Any]], matmul_rate: float | None, flo
         ("minor page faults", lambda p, n: f"{p['minor_page_faults']:,}"),
         ("tokens in the step", lambda p, n: f"{p['tokens']:,}"),
     ]
-    lines = ["| one optimizer step | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
-    lines += [
-        f"| {label} | " + " | ".join(cell(profiles[n], n) for n in names) + " |" for label, cell in rows
+    table = [[label, *(cell(profiles[n], n) for n in names)] for label, cell in rows]
+    return "\n".join(report._markdown_table(["one optimizer step", *names], table))
+
+
+def profile_contenders(config: BenchConfig, contenders: list[Contender], failures: dict[str, str],
+                       limit: dict[str, Any] | None, origin: dict[str, Any], path: str) -> dict:  # fmt: skip
+    """The profile runs of ``--profile PATH``, after the timed runs: one per contender that did not fail, each
+    in its own process like every bench run. PATH gets the table as Markdown under the bench's provenance; the
+    bench's JSON gets what this returns, the raw breakdowns."""
+    profiled = dataclasses.replace(config, steps=config.warmup_steps + 1, profile=True)
+    todo = [c for c in contenders if c.name not in failures]
+    names = ", ".join(c.name for c in todo)
+    print(f"fasttrain bench: profiling {names} (step {profiled.steps})", file=sys.stderr)
+    runs, errors = runner.run_all(profiled, todo, 1, progress=False)
+    done = {name: result[0] for name, result in runs.items() if result and result[0].get("profile")}
+    profiles = {name: result["profile"] for name, result in done.items()}
+    flops = {name: result.get("train_flops_per_token") for name, result in done.items()}
+    shape = next((result["model_shape"] for result in done.values() if result.get("model_shape")), None)
+    rate = limit["matmul_flops_per_s"] if limit else None
+    table = markdown(profiles, rate, flops) if profiles else "(no contender could be profiled)\n"
+    lines = [
+        "# fasttrain bench --profile",
+        "",
+        provenance.markdown(origin),
+        f"- model {report.model_note(config.model, shape)}; step {profiled.steps} of a run of "
+        f"{profiled.steps} (the first {config.warmup_steps} warm up), each contender in its own process",
+        "- how the step's time is split: docs/method.md; the profiler slows the step it watches, so these "
+        "step times are not the bench's figures",
+        "",
+        table,
     ]
-    return "\n".join(lines) + "\n"
+    if limit:
+        lines.append(f"- matmul limit: {limit['measured']}, {limit['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s")
+    for name, error in errors.items():
+        lines.append(f"- {name}: not profiled: {error.splitlines()[0]}")
+    report.write_text(path, "\n".join(lines) + "\n")
+    print(table)
+    return {"profiles": profiles, "errors": errors, "steps": profiled.steps}

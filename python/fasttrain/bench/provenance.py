@@ -1,11 +1,9 @@
 """Where a measurement came from: the one record every result file of fasttrain's carries.
 
 ``record()`` is what `fasttrain bench`, every script under benchmarks/ and the GPU proof write beside their
-figures: when (UTC), the command as one would retype it, the git commit it ran at (and whether the tree had
-uncommitted changes), the machine (CPU, cores, memory, GPU), the load average when it started (a shared machine
-slows every contender; the figure says how shared it was) and the versions of the packages that decide speed.
-``timed()`` is the one timer: CUDA events on a GPU (the device time of the work a call queues), the wall clock
-on CPU, with the garbage collector paused as timeit does.
+figures (docs/method.md, "Provenance"; the load at the start says how shared the machine was, since a shared
+machine slows every contender). ``timed()`` is the one timer: CUDA events on a GPU (the device time of the
+work a call queues), the wall clock on CPU, with the garbage collector paused as timeit does.
 """
 
 from __future__ import annotations
@@ -48,10 +46,9 @@ def load_average() -> float | None:
 
 def machine() -> dict[str, Any]:
     """CPU, cores, memory, platform and, where CUDA is available, the GPU."""
-    try:
-        memory_gib: float | None = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError, AttributeError):
-        memory_gib = None
+    memory_gib = None
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     out: dict[str, Any] = {
         "cpu": cpu_model(),
         "cores": len(os.sched_getaffinity(0)),  # those this process may run on (Linux only, docs/support.md)
@@ -104,9 +101,8 @@ def command() -> str:
         script = script.relative_to(_SOURCE)
     # an interpreter of the repository's other environments (.ci-envs/llamafactory/...) is part of the command
     python = Path(sys.executable)
-    interpreter = "python"
-    if python.is_relative_to(_SOURCE) and not python.is_relative_to(_SOURCE / ".venv"):
-        interpreter = str(python.relative_to(_SOURCE))
+    own = python.is_relative_to(_SOURCE) and not python.is_relative_to(_SOURCE / ".venv")
+    interpreter = str(python.relative_to(_SOURCE)) if own else "python"
     return shlex.join([interpreter, str(script), *sys.argv[1:]])
 
 
@@ -126,18 +122,15 @@ def record(*packages: str, command_line: str | None = None) -> dict[str, Any]:
 def markdown(prov: dict[str, Any]) -> str:
     """Provenance as the lines a result's Markdown opens with."""
     m = prov["machine"]
-    hardware = f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB" + (
-        f"; {m['gpu']}" if "gpu" in m else ""
-    )
-    found = ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v)
-    return "\n".join(
-        [
-            f"- measured {prov['date_utc']} at commit {prov['commit'] or 'unknown (not a git checkout)'}",
-            f"- command: `{prov['command']}`",
-            f"- machine: {hardware}; load average {prov['load_1min_at_start']} at the start",
-            f"- versions: {found}",
-        ]
-    )
+    gpu = f"; {m['gpu']}" if "gpu" in m else ""
+    lines = [
+        f"- measured {prov['date_utc']} at commit {prov['commit'] or 'unknown (not a git checkout)'}",
+        f"- command: `{prov['command']}`",
+        f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB{gpu}; load average "
+        f"{prov['load_1min_at_start']} at the start",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v),
+    ]
+    return "\n".join(lines)
 
 
 @contextlib.contextmanager

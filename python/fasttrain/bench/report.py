@@ -28,9 +28,7 @@ def _missing(value: Any) -> bool:
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
-    if _missing(value):
-        return "n/a"
-    return f"{value:,.{digits}f}" if isinstance(value, float) else str(value)
+    return "n/a" if _missing(value) else f"{value:,.{digits}f}" if isinstance(value, float) else str(value)
 
 
 def _hot_paths(summary: dict[str, Any]) -> str:
@@ -121,8 +119,7 @@ def rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     def figure(label: str, key: str, digits: int = 1, ratio_key: str | None = None) -> list[str]:
         def cell(summary: dict[str, Any], vs: dict[str, Any] | None) -> str:
             text = _fmt(summary.get(key), digits)
-            with_ratio = ratio_key and vs is not None and text != "n/a"
-            return f"{text} ({_ratio(vs.get(ratio_key))})" if with_ratio else text
+            return f"{text} ({_ratio(vs.get(ratio_key))})" if ratio_key and vs and text != "n/a" else text
 
         return line(label, cell)
 

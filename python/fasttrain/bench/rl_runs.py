@@ -1,11 +1,9 @@
 """``fasttrain bench --trainer grpo|rloo``: what a GRPOTrainer or RLOOTrainer run adds to ``trl_runs``' (which
 builds every TRL trainer alike, here from one text ``prompt`` per example; rewards: ``bench/rewards.py``).
 
-TRL's defaults stay (loss type, ``beta``: 0 for GRPO, 0.05 for RLOO, whose reference model TRL loads from the
-policy's name; temperature 1, no top-k/top-p; gradient checkpointing on), except the sizes the bench sets:
-``num_generations`` completions per prompt of at most ``max_completion_length`` tokens, and ``--batch-size``
-completions per micro-batch (TRL's ``per_device_train_batch_size``), so each optimizer step trains on
-``batch_size x grad_accum / num_generations`` prompts, all generated at the step's start.
+TRL's defaults stay (loss type, ``beta``: 0 for GRPO, 0.05 for RLOO; temperature 1, no top-k/top-p; gradient
+checkpointing on) but for the sizes: a step trains on ``batch_size x grad_accum / num_generations`` prompts
+(``--batch-size`` counts completions, as in TRL), all generated at the step's start.
 
 - Completions, ``--completions sampled`` (the default): TRL's ``model.generate``, sampling seeded by ``--seed``
   (both sides alike). A built-in model at random initialisation would never stop before the limit (its one
@@ -64,27 +62,20 @@ def synthetic_generate(config: BenchConfig, tokenizer, pad_id: int):
     return generate
 
 
-def _reference_by_name(model, output_dir: str) -> None:
-    """RLOO (and GRPO with ``beta`` > 0) load their reference model from the policy's name: a built-in model has
-    none, so it is saved under ``output_dir`` and named after that folder (identical weights, the policy's dtype)."""
-    name = getattr(model.config, "_name_or_path", "")
-    if name and os.path.exists(os.path.join(os.path.expanduser(name), "config.json")):
-        return
-    if name and "/" in name and not name.startswith((".", "/", "~")):
-        return  # a hub id: TRL loads it as the user's script would
-    path = os.path.join(output_dir, "reference-model")
-    model.save_pretrained(path)
-    model.config._name_or_path = path
-
-
 def prepare_policy(config: BenchConfig, model, tokenizer, beta: float, output_dir: str) -> None:
-    """Before the trainer is built: the completions ``config.completions`` asks for, and, where TRL will load a
-    reference model (``beta`` > 0), a name it can load it from."""
+    """Before the trainer is built: the completions ``config.completions`` asks for and, where TRL will load a
+    reference model from the policy's name (RLOO, GRPO with ``beta`` > 0), a name to load it from: a built-in
+    model has none, so it is saved under ``output_dir`` (identical weights, the policy's dtype)."""
     from . import models
 
     if config.completions == SYNTHETIC:
         model.generate = synthetic_generate(config, tokenizer, tokenizer.pad_token_id)
     elif config.model in models.BUILTIN_SHAPES:
         model.generation_config.eos_token_id = stop_ids(model, tokenizer)
-    if beta != 0.0:
-        _reference_by_name(model, output_dir)
+    name = getattr(model.config, "_name_or_path", "")
+    local = name and os.path.exists(os.path.join(os.path.expanduser(name), "config.json"))
+    hub_id = name and "/" in name and not name.startswith((".", "/", "~"))  # TRL loads it as a user's script
+    if beta != 0.0 and not (local or hub_id):
+        path = os.path.join(output_dir, "reference-model")
+        model.save_pretrained(path)
+        model.config._name_or_path = path

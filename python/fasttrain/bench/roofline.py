@@ -1,10 +1,9 @@
 """How far a measurement is from what the hardware allows: this machine's matmul and copy rates, measured.
 
-A training step's limit (``percent_of_limit``) is the time its matmuls would take alone at the rate a large GEMM
-reaches here, with the bench's threads (fp32 on CPU, bf16 on CUDA): ``train_flops_per_token`` (6 x parameters +
-causal attention, from the shapes) x tokens / rate. A kernel's limit (``kernel_percent``) is the slower of doing
-its FLOPs at that rate and moving its bytes at the rate a large copy reads and writes them: an optimizer step is
-bound by bytes, a fused LM head by FLOPs. 100% is the roofline; the rest is time spent elsewhere.
+A training step's limit (``percent_of_limit``: docs/method.md, "The matmul limit") is the time its matmuls
+would take alone at the rate a large GEMM reaches here. A kernel's limit (``kernel_percent``) is the slower of
+doing its FLOPs at that rate and moving its bytes at the rate a large copy reads and writes them: an optimizer
+step is bound by bytes, a fused LM head by FLOPs. 100% is the roofline; the rest is time spent elsewhere.
 """
 
 from __future__ import annotations
@@ -41,14 +40,12 @@ def measure_matmul_rate(device: str, threads: int | None = None, seconds: float 
     try:
         cuda = device == "cuda"
         n = _CUDA_SIZE if cuda else _CPU_SIZE
-        dtype = torch.bfloat16 if cuda else torch.float32
+        kind, dtype = ("bf16", torch.bfloat16) if cuda else ("fp32", torch.float32)
         a, b, out = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(3))
         median, count = _median_s(lambda: torch.mm(a, b, out=out), device, seconds)
     finally:
         torch.set_num_threads(previous)
-    what = (
-        f"{'bf16' if cuda else 'fp32'} {n}x{n}x{n} GEMM, {threads or previous} thread(s), median of {count}"
-    )
+    what = f"{kind} {n}x{n}x{n} GEMM, {threads or previous} thread(s), median of {count}"
     return {"matmul_flops_per_s": 2.0 * n**3 / median, "measured": what}
 
 

@@ -1,7 +1,4 @@
-"""Run every contender in its own child process, alternating, with one progress bar across all runs.
-
-Order: round r runs the contenders in order, reversed on odd rounds (reference, fasttrain, then fasttrain,
-reference, ...), so slow drift of the machine (thermal, other load) falls on both sides alike.
+"""Run every contender in its own child process, alternating (``schedule``), one progress bar across all runs.
 
 A contender whose run crashes (Liger without a kernel for this GPU, an out-of-memory) is recorded with its error
 and its remaining repetitions are skipped; the other contenders go on. After every run, finished or failed, the
@@ -55,18 +52,16 @@ def resident_bytes(pid: int) -> int:
 
 
 def schedule(contenders: list[Contender], repeats: int) -> list[tuple[int, Contender]]:
+    """Round r runs the contenders in order, reversed on odd rounds, so that slow drift of the machine
+    (thermal, other load) falls on both sides alike."""
     return [(r, c) for r in range(repeats) for c in (contenders if r % 2 == 0 else contenders[::-1])]
 
 
 def _child_env(contender: Contender) -> dict[str, str]:
-    env = dict(os.environ)
     # Only an ablation run may switch hot paths off; an inherited FASTTRAIN_DISABLE would skew the comparison.
-    env.pop("FASTTRAIN_DISABLE", None)
-    if contender.disable:
-        env["FASTTRAIN_DISABLE"] = contender.disable
-    env.pop("FASTTRAIN_OPTIM_ARGS", None)
-    if contender.optim_args:
-        env["FASTTRAIN_OPTIM_ARGS"] = contender.optim_args
+    own = {"FASTTRAIN_DISABLE": contender.disable, "FASTTRAIN_OPTIM_ARGS": contender.optim_args}
+    env = {name: value for name, value in os.environ.items() if name not in own}
+    env.update({name: value for name, value in own.items() if value})
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 
@@ -109,9 +104,7 @@ def run_one(
                 code = child.poll()
                 if budget_bytes is not None and code is None:
                     peak = max(peak, resident_bytes(child.pid))
-                    if peak > budget_bytes:
-                        child.kill()
-                        child.wait()
+                    if peak > budget_bytes:  # killed below, as on any exception
                         raise OverBudget(
                             f"the {contender.name} run passed the memory budget ({peak / 2**30:.2f} GiB resident "
                             f"> {budget_bytes / 2**30:.2f} GiB) and was stopped",
@@ -128,9 +121,7 @@ def run_one(
                     loads.append(load_average())
                     next_load = time.monotonic() + _LOAD_EVERY_S
                 time.sleep(_BUDGET_POLL_S if budget_bytes is not None else _POLL_S)
-        except OverBudget:
-            raise
-        except BaseException:  # Ctrl-C or a failing callback: do not leave the child training
+        except BaseException:  # Ctrl-C, a failing callback or OverBudget: do not leave the child training
             child.kill()
             child.wait()
             raise
@@ -145,13 +136,9 @@ def run_one(
             f"the {contender.name} run exited with code {code}; last lines of its log:\n{_tail(log_path)}"
         )
     result["wall_s"] = None  # filled by the caller, which times the whole child
-    loads = [x for x in loads if x is not None]
-    if loads:  # other work on the machine while this run ran (the child itself counts about its threads)
-        result["load_average_during"] = {
-            "mean": sum(loads) / len(loads),
-            "max": max(loads),
-            "samples": len(loads),
-        }
+    # other work on the machine while this run ran (the child itself counts about its threads)
+    if loads := [x for x in loads if x is not None]:
+        result["load_average_during"] = dict(mean=sum(loads) / len(loads), max=max(loads), samples=len(loads))
     return result
 
 
@@ -184,31 +171,29 @@ def run_all(
                 if contender.name in failures:  # it crashed once: the next repetition would too
                     bar.update(config.steps)
                     continue
-                run_label = (
+                label = (
                     f"run {index + 1}/{len(order)} ({contender.name}, repetition {round_index + 1}/{repeats})"
                 )
-                bar.set_description(f"{run_label}, step 0/{config.steps}")
+                bar.set_description(f"{label}, step 0/{config.steps}")
                 started = time.perf_counter()
                 done_before = bar.n
 
-                def on_step(count: int, run_label=run_label, done_before=done_before) -> None:
+                def on_step(count: int, label=label, done_before=done_before) -> None:
                     done = bar.n + count - done_before
                     warmup = " (warm-up)" if done <= config.warmup_steps else ""
-                    bar.set_description(f"{run_label}, step {done}/{config.steps}{warmup}", refresh=False)
+                    bar.set_description(f"{label}, step {done}/{config.steps}{warmup}", refresh=False)
                     bar.update(count)
 
                 try:
                     result = run_one(config, contender, workdir, f"{index:02d}-{contender.name}", on_step)
                 except RunFailed as exc:
                     failures[contender.name] = str(exc)
-                    bar.update(max(0, config.steps - (bar.n - done_before)))
                     print(f"fasttrain bench: {contender.name} failed; going on without it", file=sys.stderr)
                 else:
-                    result["wall_s"] = time.perf_counter() - started
-                    result["round"] = round_index
-                    # a run that ended early (it should not) still leaves the bar consistent
-                    bar.update(max(0, config.steps - result["steps"]))
+                    result.update(wall_s=time.perf_counter() - started, round=round_index)
                     results[contender.name].append(result)
+                # a run that failed or ended early (it should not) still leaves the bar consistent
+                bar.update(max(0, config.steps - (bar.n - done_before)))
                 if on_run is not None:
                     on_run(results, failures)
     finally:

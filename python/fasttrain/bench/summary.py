@@ -29,11 +29,8 @@ def loss_difference(a: list[float | None], b: list[float | None]) -> dict[str, f
     relative = [abs(x - y) / abs(x) for x, y in pairs if abs(x) > REL_FLOOR]
     if len(relative) < len(pairs) and all(x == y for x, y in pairs if abs(x) <= REL_FLOOR):
         relative.append(0.0)  # equal where the value is about zero: no relative difference there either
-    return {
-        "max_abs": max(abs(x - y) for x, y in pairs),
-        "max_rel": max(relative) if relative else None,
-        "steps_compared": len(pairs),
-    }
+    max_abs = max(abs(x - y) for x, y in pairs)
+    return {"max_abs": max_abs, "max_rel": max(relative, default=None), "steps_compared": len(pairs)}
 
 
 def metric_differences(a: dict[str, list], b: dict[str, list]) -> dict[str, dict[str, float | int | None]]:
@@ -120,18 +117,14 @@ def build(results: dict[str, list[dict[str, Any]]], failures: dict[str, str] | N
     "failed": {name: error}}``. A contender without a finished run has no entry (a failed one is in "failed");
     without a finished reference there is nothing to compare against and "comparison" is empty."""
     summaries = {name: summarize(runs) for name, runs in results.items() if runs}
-    out: dict[str, Any] = {
-        name: summaries.pop(name) for name in (REFERENCE, FASTTRAIN, LIGER) if name in summaries
-    }
+    out = {name: summaries.pop(name) for name in (REFERENCE, FASTTRAIN, LIGER) if name in summaries}
     if summaries:  # what is left: the ablations
         out["ablations"] = summaries
-    comparison: dict[str, Any] = {}
-    if REFERENCE in out:
-        others = {name: out[name] for name in (FASTTRAIN, LIGER) if name in out} | summaries
-        comparison.update({f"{name}_vs_reference": compare(out[REFERENCE], o) for name, o in others.items()})
+    reference = out.get(REFERENCE)
+    others = {name: out[name] for name in (FASTTRAIN, LIGER) if name in out} | summaries
+    out["comparison"] = {f"{n}_vs_reference": compare(reference, o) for n, o in others.items() if reference}
     if FASTTRAIN in out and LIGER in out:
-        comparison["fasttrain_vs_liger"] = compare(out[LIGER], out[FASTTRAIN])
-    out["comparison"] = comparison
+        out["comparison"]["fasttrain_vs_liger"] = compare(out[LIGER], out[FASTTRAIN])
     if FASTTRAIN in out and out.get("ablations"):
         out["shares"] = shares(out[FASTTRAIN], out["ablations"])
     out["failed"] = dict(failures or {})

@@ -1,11 +1,9 @@
 """The built-in tokenizer: a byte-level BPE trained locally on the stdlib corpus, cached on disk.
 
 Training takes a few seconds, so the result is cached under ``~/.cache/fasttrain/tokenizers/<key>/``
-(``FASTTRAIN_CACHE`` overrides the root), where the key hashes every setting and the path, size and
-mtime of each training file: a different Python (hence stdlib), vocabulary size or ``tokenizers``
-version trains anew.
-The model's vocabulary stays Qwen3's 151,936 whatever this tokenizer's own size is: ids above the
-tokenizer's range are simply never produced, as with any tokenizer smaller than its model's embedding.
+(``FASTTRAIN_CACHE`` overrides the root; the key: ``_cache_key``). The model's vocabulary stays Qwen3's
+151,936 whatever this tokenizer's own size: ids above its range are never produced, as with any tokenizer
+smaller than its model's embedding.
 """
 
 from __future__ import annotations
@@ -30,12 +28,7 @@ DEFAULT_TRAIN_BYTES = 4_000_000
 def _cache_key(files: list[pathlib.Path], vocab_size: int) -> str:
     """Hash of the settings and of each training file's path, size and mtime (cheap: no file is read)."""
     digest = hashlib.sha256()
-    settings = {
-        "vocab_size": vocab_size,
-        "tokenizers": tokenizers.__version__,
-        "eos": EOS_TOKEN,
-        "pad": PAD_TOKEN,
-    }
+    settings = dict(vocab_size=vocab_size, tokenizers=tokenizers.__version__, eos=EOS_TOKEN, pad=PAD_TOKEN)
     digest.update(json.dumps(settings, sort_keys=True).encode())
     for path in files:
         stat = path.stat()

@@ -7,6 +7,7 @@ line per optimizer step to the progress file the parent watches. Its own process
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -18,47 +19,30 @@ import tempfile
 import time
 from typing import Any
 
-from .config import FASTTRAIN, BenchConfig, Contender, dump, training_kwargs
-
-
-def _rss_mb() -> float:
-    """Resident set size now, from /proc (Linux); ru_maxrss is a peak, this is the current value."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as handle:
-            pages = int(handle.read().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError):
-        return float("nan")
-
-
-def _peak_rss_mb() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+from .config import FASTTRAIN, BenchConfig, Contender, dump
+from .runner import resident_bytes
 
 
 def _tokenizer_for(config: BenchConfig):
     """The model's own tokenizer when it has one (local directory or hub id), else the built-in stdlib BPE."""
     from . import models, tokenizer
 
-    if config.model not in models.BUILTIN_SHAPES:
+    local = models.looks_like_local_path(config.model)
+    source = os.path.expanduser(config.model) if local else config.model
+    # A bare local checkpoint (weights and config only) gets the built-in tokenizer: AutoTokenizer would
+    # build an empty one from the config's model type instead of failing.
+    has_files = not local or any(
+        os.path.exists(os.path.join(source, n)) for n in ("tokenizer.json", "tokenizer_config.json")
+    )
+    if config.model not in models.BUILTIN_SHAPES and has_files:
         from transformers import AutoTokenizer
 
-        local = models.looks_like_local_path(config.model)
-        source = os.path.expanduser(config.model) if local else config.model
-        # A bare local checkpoint (weights and config only) gets the built-in tokenizer: AutoTokenizer would
-        # build an empty one from the config's model type instead of failing.
-        has_files = not local or any(
-            os.path.exists(os.path.join(source, name)) for name in ("tokenizer.json", "tokenizer_config.json")
-        )
-        if has_files:
-            try:
-                tok = AutoTokenizer.from_pretrained(source, local_files_only=local or models.hub_offline())
-            except (OSError, ValueError):
-                tok = None  # a hub model without a tokenizer: the built-in one serves
-            if tok is not None:
-                if tok.pad_token is None:
-                    tok.pad_token = tok.eos_token
-                return tok
+        # a hub model without a tokenizer: the built-in one serves
+        with contextlib.suppress(OSError, ValueError):
+            tok = AutoTokenizer.from_pretrained(source, local_files_only=local or models.hub_offline())
+            if tok.pad_token is None:
+                tok.pad_token = tok.eos_token
+            return tok
     path, _ = tokenizer.load_or_train()
     return tokenizer.as_transformers_tokenizer(path)
 
@@ -117,14 +101,14 @@ def _recorder(progress_path: str | None, is_cuda: bool, counter: RealTokenCounte
             self.metrics: dict[int, dict[str, float]] = {}  # step -> what the Trainer logged at that step
             self.progress = open(progress_path, "a", encoding="ascii") if progress_path else None  # noqa: SIM115
 
-        def _now(self) -> float:
+        def _mark(self) -> None:
             if is_cuda:  # time what the GPU did, not what was queued
                 torch.cuda.synchronize()
-            return time.perf_counter()
+            self.times.append(time.perf_counter())
+            self.cpu_times.append(time.process_time())
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.times.append(self._now())
-            self.cpu_times.append(time.process_time())
+            self._mark()
             if meter is not None:
                 meter.start()
 
@@ -135,8 +119,7 @@ def _recorder(progress_path: str | None, is_cuda: bool, counter: RealTokenCounte
         def on_step_end(self, args, state, control, **kwargs):
             if profiler is not None:
                 profiler.end(state.global_step, counter.total())
-            self.times.append(self._now())
-            self.cpu_times.append(time.process_time())
+            self._mark()
             self.tokens_seen.append(counter.total())
             if meter is not None:
                 meter.step_end()
@@ -163,26 +146,6 @@ def step_metrics(logs: dict[str, Any]) -> dict[str, float]:
         for key, value in logs.items()
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not _TIMING_KEY.search(key)
     }
-
-
-def _transformers_trainer(
-    config: BenchConfig, contender: Contender, model, tok, examples, output_dir, callback
-):
-    import transformers
-    from transformers import DataCollatorForLanguageModeling, TrainingArguments
-
-    import fasttrain
-
-    from . import data
-
-    trainer_cls = fasttrain.Trainer if contender.trainer == FASTTRAIN else transformers.Trainer
-    return trainer_cls(
-        model=model,
-        args=TrainingArguments(**training_kwargs(config, contender, output_dir, TrainingArguments)),
-        train_dataset=data.as_dataset(examples),
-        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-        callbacks=[callback],
-    )
 
 
 def train_flops_per_token(model, examples: list[list[int]]) -> float:
@@ -237,15 +200,14 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
             f"--dataset {config.dataset!r} yields no example of at least {data.MIN_TOKENS} tokens"
         )
     dtype = torch.bfloat16 if config.bf16 else torch.float32
-    model = models.build_model(config.model, config.seq_len, config.seed, config.device, dtype)
+    spec = (config.model, config.seq_len, config.seed, config.device, dtype)
+    model = models.build_model(*spec)
     if len(tok) > model.config.vocab_size:
         raise models.ModelError(
             f"the tokenizer has {len(tok)} tokens but the model's vocabulary is {model.config.vocab_size}"
         )
     # DPO's and KTO's frozen reference: the same weights again (TRL would load it from the hub id the config names)
-    ref_model = None
-    if config.trainer_type in ("dpo", "kto"):
-        ref_model = models.build_model(config.model, config.seq_len, config.seed, config.device, dtype)
+    ref_model = models.build_model(*spec) if config.trainer_type in ("dpo", "kto") else None
     set_seed(config.seed)
     setup_s = time.perf_counter() - t0
     if is_cuda and config.memory_budget:  # the length frontier: past the budget, torch's allocator fails
@@ -255,28 +217,22 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         setup_mb = torch.cuda.memory_allocated() / 2**20
-    else:
-        setup_mb = _rss_mb()
+    else:  # resident now, from /proc (Linux); ru_maxrss is a peak
+        setup_mb = resident_bytes(os.getpid()) / 2**20 or float("nan")
 
     counter = RealTokenCounter(model, tok.pad_token_id, grad_only=config.generates)
-    from .phases import PhaseMeter
+    from .phases import PhaseMeter, phase_results
     from .profile import StepProfiler
+    from .trl_runs import build_trainer
 
     meter = PhaseMeter(is_cuda) if config.generates else None
     profiler = StepProfiler(config.steps, model.config.vocab_size, is_cuda) if config.profile else None
     recorder = _recorder(progress_path, is_cuda, counter, meter, profiler)
     with tempfile.TemporaryDirectory(prefix="fasttrain-bench-") as output_dir:
-        if config.trainer_type == "transformers":
-            trainer = _transformers_trainer(config, contender, model, tok, examples, output_dir, recorder)
-        else:
-            from .trl_runs import build_trainer
-
-            trainer = build_trainer(config, contender, model, ref_model, tok, examples, output_dir, recorder)
+        trainer = build_trainer(config, contender, model, ref_model, tok, examples, output_dir, recorder)
         if meter is not None:
             meter.install(model)  # after the trainer: the synthetic stand-in (if any) is in place
-        trainer_cls = type(trainer)
         trainer.train()
-    status = dict(getattr(trainer, "fasttrain_status", None) or {})
     requested = getattr(trainer, "hot_paths", None)  # fasttrain.Trainer: HotPaths after FASTTRAIN_DISABLE
 
     times, cpu_times, seen = recorder.times, recorder.cpu_times, recorder.tokens_seen
@@ -287,15 +243,16 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
     timed_cpu_s = cpu_times[-1] - cpu_times[warmup]
     timed_tokens = seen[-1] - seen[warmup]
     per_step = [recorder.metrics.get(step, {}) for step in range(1, steps_done + 1)]
-    metric_names = sorted({name for logged in per_step for name in logged})
-    metrics = {name: [logged.get(name) for logged in per_step] for name in metric_names}
+    names = sorted({name for logged in per_step for name in logged})
+    metrics = {name: [logged.get(name) for logged in per_step] for name in names}
     losses = metrics.get("loss", [None] * steps_done)
+    plain = config.trainer_type == "transformers"  # transformers.Trainer, not TRL's
     result: dict[str, Any] = {
         "contender": contender.name,
         "trainer": contender.trainer,
-        "trainer_class": f"{trainer_cls.__module__}.{trainer_cls.__qualname__}",
+        "trainer_class": f"{type(trainer).__module__}.{type(trainer).__qualname__}",
         "trainer_type": config.trainer_type,
-        "patched": config.trainer_type != "transformers" and contender.trainer == FASTTRAIN,
+        "patched": not plain and contender.trainer == FASTTRAIN,
         "fasttrain_disable": os.environ.get("FASTTRAIN_DISABLE") or None,
         "steps": steps_done,
         "warmup_steps_excluded": warmup,
@@ -310,7 +267,7 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         "grad_norms": metrics.get("grad_norm", [None] * steps_done),
         "metrics": metrics,
         "final_loss": losses[-1] if losses else None,
-        "hot_paths": status,
+        "hot_paths": dict(getattr(trainer, "fasttrain_status", None) or {}),
         "hot_paths_requested": dataclasses.asdict(requested) if dataclasses.is_dataclass(requested) else None,
         "setup_s": setup_s,
         "num_examples": len(examples),
@@ -318,20 +275,17 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
         "pid": os.getpid(),
         # the roofline of a training step (bench/roofline.py): plain Trainer runs only, where every counted
         # token goes forward and backward once
-        "train_flops_per_token": train_flops_per_token(model, examples)
-        if config.trainer_type == "transformers"
-        else None,
+        "train_flops_per_token": train_flops_per_token(model, examples) if plain else None,
     }
     if is_cuda:
         peak = torch.cuda.max_memory_allocated() / 2**20
         result.update(memory_kind="torch.cuda.max_memory_allocated", gpu_name=torch.cuda.get_device_name())
     else:
-        peak = _peak_rss_mb()
+        unit = 2**20 if sys.platform == "darwin" else 2**10  # ru_maxrss: bytes on macOS, KiB on Linux
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / unit
         result["memory_kind"] = "peak RSS (ru_maxrss)"
     result.update(peak_memory_mb=peak, memory_after_setup_mb=setup_mb, peak_above_setup_mb=peak - setup_mb)
     if meter is not None:
-        from .phases import phase_results
-
         result.update(phase_results(meter, result, cpu_times, warmup))
     if profiler is not None:
         result["profile"] = profiler.result
@@ -345,14 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with open(argv[0], encoding="utf-8") as handle:
         job = json.load(handle)
-    config = BenchConfig.from_json(job["config"])
-    contender = Contender(**job["contender"])
-    from .data import DatasetError
-    from .models import ModelError
+    config, contender = BenchConfig.from_json(job["config"]), Contender(**job["contender"])
+    from . import data, models
 
     try:
         result = run(config, contender, job.get("progress_path"))
-    except (DatasetError, ModelError) as exc:
+    except (data.DatasetError, models.ModelError) as exc:
         # A user error found only once the data/model is opened: one line, and the parent shows it as is.
         dump(job["result_path"], {"error": str(exc)})
         print(f"error: {exc}", file=sys.stderr)
