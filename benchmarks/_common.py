@@ -47,9 +47,7 @@ def write(out: Path, stem: str, result: dict, title: str, body: str | list[str])
     return text
 
 
-def alternate(
-    rounds: int, contenders: dict[str, Callable[[int], Any]]
-) -> dict[str, list[tuple[float, float]]]:
+def alternate(rounds: int, contenders: dict[str, Callable[[int], Any]]) -> dict[str, list[tuple]]:
     """Each contender called in turn (round ``i`` passes ``i``), so that all see the same machine load; per call
     (wall seconds, the process's CPU seconds), the collector paused. CPU time leaves out the time a call spent
     descheduled, which dominates short calls on a loaded machine."""
@@ -63,6 +61,16 @@ def alternate(
     return times
 
 
+def parser(doc: str, device: bool = False) -> argparse.ArgumentParser:
+    """A script's options: its docstring for ``--help``, ``--out`` (the results' folder) and, asked for,
+    ``--device``."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=RESULTS, help="the folder for the result files")
+    if device:
+        p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    return p
+
+
 def int_options(parser, **defaults: int) -> list[str]:
     """``--name`` options of type int with their defaults; their names, for ``forwarded``."""
     for name, default in defaults.items():
@@ -73,10 +81,6 @@ def int_options(parser, **defaults: int) -> list[str]:
 def forwarded(args, names: list[str]) -> list[str]:
     """The command-line options that give a worker process the same ``names`` values."""
     return [item for name in names for item in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
-
-
-def median_s(times: list[tuple[float, float]], cpu: bool = False) -> float:
-    return statistics.median(t[cpu] for t in times)
 
 
 def time_collators(collators: dict, batches: list, calls: int, copy_rows: bool = False) -> dict:
@@ -93,7 +97,7 @@ def time_collators(collators: dict, batches: list, calls: int, copy_rows: bool =
     inputs = {name: [rows(i) for i in range(calls)] for name in collators}
     contenders = {name: (lambda i, f=f, b=inputs[name]: f(b[i])) for name, f in collators.items()}
     times = alternate(calls, contenders)
-    return {name: (median_s(t), median_s(t, cpu=True)) for name, t in times.items()}
+    return {name: tuple(statistics.median(x) for x in zip(*t, strict=True)) for name, t in times.items()}
 
 
 def batch_difference(a, b) -> str | None:
@@ -154,10 +158,22 @@ def lm_head_inputs(tokens: int, width: int, vocab: int, device: str = "cpu", dty
     return hidden, weight, torch.randint(0, vocab, (tokens,), device=device)
 
 
-def worker_options(parser, *names: str) -> None:
-    """The options a script's torchrun workers get besides its own: ``--worker``, ``--out-file`` and ``names``."""
+def launcher_options(parser, engines: tuple[str, ...], *worker_names: str, **sizes: int) -> None:
+    """A torchrun launcher's options: ``--engines`` (a comma list of ``engines``, checked), its int ``sizes``
+    (their names in ``args.sizes``, for ``forwarded``) and, hidden, what its workers get besides:
+    ``--worker``, ``--out-file`` and ``worker_names``."""
+
+    def known(text: str) -> str:
+        if unknown := set(text.split(",")) - set(engines):
+            raise argparse.ArgumentTypeError(
+                f"unknown engines {sorted(unknown)}; choose from {','.join(engines)}"
+            )
+        return text
+
+    parser.add_argument("--engines", type=known, default=",".join(engines))
+    parser.set_defaults(sizes=int_options(parser, **sizes))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for name in ("--out-file", *names):
+    for name in ("--out-file", *worker_names):
         parser.add_argument(name, help=argparse.SUPPRESS)
 
 
@@ -182,6 +198,17 @@ def torchrun(script: str, world: int, args: list[Any], threads: int, timeout: fl
     written = json.loads((scratch / "out.json").read_text()) if (scratch / "out.json").exists() else None
     shutil.rmtree(scratch, ignore_errors=True)
     return written, failure or None
+
+
+def worker_done(rank: int, out_file: str, written: Any) -> None:
+    """A torchrun worker's end: rank 0 writes the JSON ``torchrun`` hands back; the ranks leave the group."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(written))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def stdlib_sources() -> Iterator[str]:

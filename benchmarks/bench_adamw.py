@@ -24,7 +24,6 @@ the bytes a step moves over the measured time (``fasttrain.bench.roofline``).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import importlib
@@ -33,7 +32,6 @@ import os
 import statistics
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 
@@ -98,15 +96,6 @@ def contenders(dtype: torch.dtype, device: str) -> dict:
     return out
 
 
-def _start(shapes, dtype, norm: float, device: str) -> tuple[list, list]:
-    """Random parameters, and gradients scaled to a total norm of ``norm``."""
-    g = torch.Generator(device=device).manual_seed(0)
-    params = [torch.randn(s, generator=g, device=device).to(dtype) * 0.02 for s in shapes]
-    grads = [torch.randn(s, generator=g, device=device).to(dtype) for s in shapes]
-    scale = norm / float(torch.linalg.vector_norm(torch.stack([x.float().norm() for x in grads])))
-    return params, [x.mul_(scale) for x in grads]
-
-
 def _distance(xs, ys) -> float:
     """The L2 distance between two lists of tensors, taken as one vector (each pair reduced in turn)."""
     pairs = zip(xs, ys, strict=True)
@@ -115,8 +104,12 @@ def _distance(xs, ys) -> float:
 
 def compare(name, factory, shapes, dtype, norm, args, limits) -> dict:
     """One contender against the reference on the same gradients, alternating; times, bytes, error, % lim."""
-    start, grads = _start(shapes, dtype, norm, args.device)
-    params, opts = {}, {}
+    # random parameters, and gradients scaled to a total norm of ``norm``
+    g = torch.Generator(device=args.device).manual_seed(0)
+    start = [torch.randn(s, generator=g, device=args.device).to(dtype) * 0.02 for s in shapes]
+    grads = [torch.randn(s, generator=g, device=args.device).to(dtype) for s in shapes]
+    scale = norm / float(torch.linalg.vector_norm(torch.stack([x.float().norm() for x in grads])))
+    grads, params, opts = [x.mul_(scale) for x in grads], {}, {}
     for side, make in (("reference", lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True)),
                        (name, factory)):  # fmt: skip
         params[side] = [torch.nn.Parameter(x.clone()) for x in start]
@@ -149,14 +142,12 @@ def compare(name, factory, shapes, dtype, norm, args, limits) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap = _common.parser(__doc__, device=True)
     ap.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: by device)")
     ap.add_argument("--dtypes", help="comma list of float32, bfloat16 (default: by device)")
     ap.add_argument("--grad-norms", help="comma list of gradient norms; max_norm is 1 (default: by device)")
     _common.int_options(ap, reps=9, warmup=2)
     ap.add_argument("--time-cap", type=float, default=float("inf"), help="no new start after these seconds")
-    ap.add_argument("--out", type=Path, default=_common.RESULTS)
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")

@@ -13,7 +13,6 @@ moments; fp32: torch's fused AdamW), and the loss curves. bitsandbytes and torch
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import math
 import statistics
@@ -23,6 +22,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import _common
 import bench_adamw
@@ -34,8 +34,6 @@ THREADS = 1  # steady timings on a shared machine
 
 
 def model_config():
-    from transformers import LlamaConfig
-
     # every matrix has >= 4,096 elements (k/v projections 48 x 96): all of them are quantized by the 8-bit modes
     return LlamaConfig(
         vocab_size=VOCAB, hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -91,8 +89,6 @@ def optimizers() -> dict:
 
 
 def train(label, dtype, factory, data, steps):
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(0)
     model = LlamaForCausalLM(model_config()).to(dtype)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -143,9 +139,8 @@ def plot(path: Path, results: list[dict]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _common.parser(__doc__)
     _common.int_options(ap, steps=200)
-    ap.add_argument("--out", type=Path, default=_common.RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
     warnings.filterwarnings("ignore")

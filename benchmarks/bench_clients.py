@@ -15,7 +15,6 @@ tree when the last step's line arrives (before saving) and of the whole run (``w
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import itertools
@@ -31,6 +30,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
+from tokenizers import AddedToken
 
 import _common
 
@@ -216,9 +218,6 @@ def launch(client: str, run_dir: Path, cfg: dict, verb: str, side: str, steps: i
 
 def prepare(client: str, work: Path, a) -> list[dict]:
     """Model, tokenizer, rows, and the framework's own tokenization of them; the prepared rows' token counts."""
-    import numpy as np
-    from tokenizers import AddedToken
-
     tok = _common.stdlib_bpe(TOKENIZER_VOCAB, TOKENIZER_TRAIN_BYTES, [PAD, IM_START, IM_END])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK])
     tokenizer = work / "tokenizer.json"
@@ -284,11 +283,6 @@ def figures(run: dict, tokens_per_step: list[int]) -> dict:
         "peak_rss_run_mib": run["ru_maxrss_mib"],
         "cli_wall_s": run["wall_s"],
     }  # fmt: skip
-
-
-def per_step(counts: list[dict], batch: int) -> list[int]:
-    """Each step's tokens: the steps take the prepared rows in order, ``batch`` at a time."""
-    return [sum(c["tokens"] for c in counts[i : i + batch]) for i in range(0, len(counts), batch)]
 
 
 def summarize(runs: list[dict], tokens_per_step: list[int]) -> dict:
@@ -392,11 +386,10 @@ def markdown(result: dict) -> list[str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _common.parser(__doc__)
     p.add_argument("--client", required=True, choices=sorted(CLIENTS))
     p.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES), help="tiny: to check the script")
     _common.int_options(p, steps=4, repeats=2, batch_size=2, seq_len=512, seed=0)
-    p.add_argument("--out", type=Path, default=_common.RESULTS, help="for clients_cpu_<client>[_<model>].*")
     p.add_argument("--wait-load", type=float, default=0.5, help="first wait for this load, no pytest; 0: no")
     a = p.parse_args()
     client = a.client
@@ -412,8 +405,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix=f"bench_clients_{client}_"))  # model, data and runs
     try:
         print(f"[bench_clients] preparing model and data in {work}", flush=True)
-        counts, runs = prepare(client, work, a), []
-        tokens_per_step = per_step(counts, a.batch_size)
+        counts, runs, b = prepare(client, work, a), [], a.batch_size
+        # each step's tokens: the steps take the prepared rows in order, a batch at a time
+        tokens_per_step = [sum(c["tokens"] for c in counts[i : i + b]) for i in range(0, len(counts), b)]
         for index, side in itertools.product(range(1, a.repeats + 1), SIDES):
             run = train(client, work, a, side, index)
             run["figures"] = f = figures(run, tokens_per_step)

@@ -13,9 +13,7 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import statistics
-from pathlib import Path
 
 import datasets
 import numpy as np
@@ -67,17 +65,15 @@ def make_rows(batch: int, min_len: int, max_len: int, rng: np.random.Generator, 
     return rows
 
 
+CONVERT = {"list": lambda v: v.tolist(), "numpy": lambda v: v.astype(np.int64),
+           "torch": lambda v: torch.from_numpy(v.astype(np.int64))}  # fmt: skip
+
+
 def convert(rows: list[dict], kind: str) -> list[dict]:
-    if kind == "list":
-        return [{k: v.tolist() for k, v in r.items()} for r in rows]
-    if kind == "numpy":
-        return [{k: v.astype(np.int64) for k, v in r.items()} for r in rows]
-    if kind == "torch":
-        return [{k: torch.from_numpy(v.astype(np.int64)) for k, v in r.items()} for r in rows]
     if kind == "arrow":
         ds = datasets.Dataset.from_dict({k: [r[k].tolist() for r in rows] for k in rows[0]})
         return list(ds.with_format("numpy"))
-    raise ValueError(kind)
+    return [{k: CONVERT[kind](v) for k, v in r.items()} for r in rows]
 
 
 def cases(tok, max_len: int) -> list[tuple[str, str, object, object, str]]:
@@ -123,10 +119,9 @@ def trl_cases(max_len: int) -> list[tuple[str, str, object, object, str]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = _common.parser(__doc__)
     # --calls: timed calls per collator and case (alternating); --batches: distinct batches cycled through
     _common.int_options(p, batch=64, min_len=16, max_len=2048, calls=30, batches=4, seed=0)
-    p.add_argument("--out", type=Path, default=_common.RESULTS)
     args = p.parse_args()
     record = _common.new_result("collators", "numpy")
     tok = _common.word_level_tokenizer()  # pad id 0 = PAD_ID

@@ -14,9 +14,6 @@ in [16, --max-len]; calls alternate; medians; transformers' DataCollatorForSeq2S
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import numpy as np
 import torch
 import transformers
@@ -59,7 +56,15 @@ def rows(batch: int, rng: np.random.Generator, high: int, vocab: int) -> list[di
     return out
 
 
-def measure(args, rng: np.random.Generator) -> list[dict]:
+def main() -> None:
+    p = _common.parser(__doc__)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
+    # --calls: timed calls per contender and batch size (alternating); --batches: distinct batches cycled through
+    setup = _common.int_options(p, max_len=2048, calls=40, batches=4, seed=0)
+    args = p.parse_args()
+    transformers.logging.set_verbosity_error()
+    record = _common.new_result("collators_llamafactory", "llamafactory", "numpy")
+    record["setup"] = {name: getattr(args, name) for name in setup}
     tok, model, sft = build()
     hf = transformers.DataCollatorForSeq2Seq(
         tok, model=model, pad_to_multiple_of=8, label_pad_token_id=IGNORE_INDEX
@@ -69,7 +74,7 @@ def measure(args, rng: np.random.Generator) -> list[dict]:
         "transformers": lambda b: hf([{k: v for k, v in row.items() if k not in MEDIA} for row in b]),
         "fasttrain": native_collator(sft),  # LLaMA-Factory's code, padded in Rust
     }
-    results = []
+    rng, record["speed"] = np.random.default_rng(args.seed), []
     for batch_size in args.batch_sizes:
         batches = [rows(batch_size, rng, args.max_len, len(tok)) for _ in range(args.batches)]
         first = [dict(r) for r in batches[0]]  # a copy: LLaMA-Factory's collator pops the media keys
@@ -78,22 +83,8 @@ def measure(args, rng: np.random.Generator) -> list[dict]:
         median = {name: wall for name, (wall, _) in times.items()}
         row = {"batch": batch_size, **{f"{n}_examples_per_s": batch_size / m for n, m in median.items()}}
         row["speedup_vs_llamafactory"] = median["llamafactory"] / median["fasttrain"]
-        results.append(row)
+        record["speed"].append(row)
         print(f"batch {batch_size:3d}: {row}", flush=True)
-    return results
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
-    # --calls: timed calls per contender and batch size (alternating); --batches: distinct batches cycled through
-    setup = _common.int_options(p, max_len=2048, calls=40, batches=4, seed=0)
-    p.add_argument("--out", type=Path, default=_common.RESULTS)
-    args = p.parse_args()
-    transformers.logging.set_verbosity_error()
-    record = _common.new_result("collators_llamafactory", "llamafactory", "numpy")
-    record["setup"] = {name: getattr(args, name) for name in setup}
-    record["speed"] = measure(args, np.random.default_rng(args.seed))
     lines = [
         "SFTDataCollatorWith4DAttentionMask as LLaMA-Factory builds it, and fasttrain's twin of it (the same "
         "object, padded in Rust); transformers' DataCollatorForSeq2Seq beside them (pad_to_multiple_of=8, "

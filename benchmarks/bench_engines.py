@@ -13,47 +13,35 @@ backends there: the ratios show the CPU paths, not the GPU kernels.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import os
+import random
 import statistics
 import time
 from pathlib import Path
 
+import datasets
+import torch.distributed as dist
+import transformers
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType
+
 import _common
+import fasttrain
 
 ENGINES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 WARMUP_STEPS = 2  # the first steps build optimizer state, allocate buffers, compile nothing: not timed
 
 
 # ------------------------------------------------------------------------------------------------ worker side
-
-
 def _status_mib(field: str) -> float:
     """VmRSS or VmHWM (the peak resident set) of this process, MiB."""
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
     return int(status[field].split()[0]) / 1024
 
 
-def _dataset(a, rows: int):
-    import random
-
-    import datasets
-
-    rng = random.Random(0)
-    ids = [
-        [rng.randrange(2, a.vocab) for _ in range(rng.randint(a.seq_len // 2, a.seq_len))]
-        for _ in range(rows)
-    ]
-    return datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
-
-
 def _start_engine(engine: str) -> int:
     """Start the process state the engine needs on CPU; returns this process's rank."""
-    import torch.distributed as dist
-    from accelerate.state import PartialState
-
     if engine.startswith("zero"):
         import deepspeed
 
@@ -72,12 +60,6 @@ def _start_engine(engine: str) -> int:
 
 
 def _train(engine: str, patched: bool, a) -> dict:
-    import transformers
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType
-
-    import fasttrain
-
     fasttrain.unpatch()
     if patched:
         fasttrain.patch()
@@ -111,7 +93,10 @@ def _train(engine: str, patched: bool, a) -> dict:
             step_ends.append(time.perf_counter())
 
     collator = transformers.DataCollatorForSeq2Seq(_common.word_level_tokenizer(a.vocab), padding=True)
-    dataset = _dataset(a, a.steps * a.batch * 2)
+    rng = random.Random(0)  # rows of random tokens and lengths, twice what the steps take
+    ids = [[rng.randrange(2, a.vocab) for _ in range(rng.randint(a.seq_len // 2, a.seq_len))]
+           for _ in range(a.steps * a.batch * 2)]  # fmt: skip
+    dataset = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
     trainer = transformers.Trainer(model, args, collator, dataset, callbacks=[StepClock()])
     Path("/proc/self/clear_refs").write_text("5")  # resets this process's peak resident set (VmHWM)
     rss_start = _status_mib("VmRSS")
@@ -132,22 +117,14 @@ def _train(engine: str, patched: bool, a) -> dict:
 
 
 def worker(a) -> None:
-    import torch.distributed as dist
-
     rank = _start_engine(a.engine)
     runs: dict[str, list[dict]] = {"reference": [], "fasttrain": []}
     for _, name in itertools.product(range(a.reps), runs):
         runs[name].append(_train(a.engine, name == "fasttrain", a))
-    if rank == 0:
-        Path(a.out_file).write_text(json.dumps(runs))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    _common.worker_done(rank, a.out_file, runs)
 
 
 # ------------------------------------------------------------------------------------------------ driver side
-
-
 def launch(engine: str, a) -> dict:
     """One torchrun launch of 2 processes training under ``engine``: both sides' medians, loss agreement, status."""
     started = time.perf_counter()
@@ -156,8 +133,7 @@ def launch(engine: str, a) -> dict:
     if failure:
         raise RuntimeError(f"{engine} failed: {failure}")
     ref, ours = runs["reference"], runs["fasttrain"]
-    ref_s = statistics.median(r["step_s"] for r in ref)
-    ours_s = statistics.median(r["step_s"] for r in ours)
+    ref_s, ours_s = (statistics.median(r["step_s"] for r in side) for side in (ref, ours))
     loss_diff = max(abs(x - y) / abs(x) for x, y in zip(ref[0]["losses"], ours[0]["losses"], strict=True))
     return {"engine": engine, "distributed_type": ours[0]["distributed_type"], "world_size": ours[0]["world_size"],
             "reference_step_s": ref_s, "fasttrain_step_s": ours_s, "speedup": ref_s / ours_s,
@@ -173,8 +149,7 @@ def _markdown(rows: list[dict], a) -> list[str]:
         f" a run, the first {WARMUP_STEPS} not timed; reference and fasttrain alternating in the same processes,"
         f" {a.reps} repetitions each; medians. fasttrain's kernels run their PyTorch backends on CPU (Triton needs a"
         " GPU). Peak memory: how far rank 0's resident set rose above its level at the start of the run, at its peak"
-        " (VmHWM, reset before the run, minus VmRSS then), median over repetitions."
-        + (" The machine was shared with other work." if a.shared else ""),
+        " (VmHWM, reset before the run, minus VmRSS then), median over repetitions.",
         "",
         "| engine | reference step | fasttrain step | speed-up | max rel. loss difference | peak memory reference"
         " | peak memory fasttrain |",
@@ -191,23 +166,15 @@ def _markdown(rows: list[dict], a) -> list[str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--engines", default=",".join(ENGINES))
+    p = _common.parser(__doc__)
     sizes = dict(steps=12, reps=3, batch=4, seq_len=256, hidden=256, layers=4, vocab=16384, threads=1)
-    p.set_defaults(sizes=_common.int_options(p, **sizes))
-    p.add_argument("--out", type=Path, default=_common.RESULTS)
-    p.add_argument("--shared", action="store_true", help="say in the results that the machine was shared")
-    _common.worker_options(p, "--engine")
+    _common.launcher_options(p, ENGINES, "--engine", **sizes)
     a = p.parse_args()
     if a.worker:
-        worker(a)
-        return
-    engines = a.engines.split(",")
-    if unknown := set(engines) - set(ENGINES):
-        p.error(f"unknown engines {sorted(unknown)}; choose from {','.join(ENGINES)}")
+        return worker(a)
     result = _common.new_result("engines_cpu", "deepspeed")
     rows = result["results"] = []
-    for engine in engines:
+    for engine in a.engines.split(","):
         rows.append(row := launch(engine, a))
         print(f"{engine}: {row['speedup']:.2f}x, loss difference {row['max_rel_loss_diff']:.1e}", flush=True)
     title = "Engines with and without fasttrain: DDP, DeepSpeed ZeRO-1/2/3, FSDP2 (2 CPU processes, gloo)"

@@ -2,12 +2,12 @@
 
 Cases (``--cases``), each implementation's loss + backward, the first implementation the reference:
 
-- ``loss``: ``--tokens`` x ``--hidden`` x vocab 151,936, every 5th label ignored. ``reference``: ``logits = hidden @
-  weight.T`` then transformers' ``ForCausalLMLoss`` path (``.float()`` + cross-entropy); ``fasttrain``:
-  ``fasttrain.fused_linear_cross_entropy``; ``torch_linear_ce``: torch's own ``F.linear_cross_entropy`` (torch 2.15+)
-  on its default (materialising) path, ``torch_chunked_ce`` the same with ``options=LinearCrossEntropyOptions()``
-  (its chunked path, which never holds the whole logits); on CUDA also ``torch_compile`` (the reference under ``torch.compile``), ``liger`` (Liger's fused-linear
-  cross-entropy) and ``cce`` (cut-cross-entropy), each where it imports.
+- ``loss``: ``--tokens`` x ``--hidden`` x vocab 151,936, every 5th label ignored. ``reference``: ``logits =
+  hidden @ weight.T`` then transformers' ``ForCausalLMLoss`` path (``.float()`` + cross-entropy);
+  ``fasttrain``: ``fasttrain.fused_linear_cross_entropy``; ``torch_linear_ce``: torch's
+  ``F.linear_cross_entropy`` (2.15+) on its default (materialising) path, ``torch_chunked_ce`` on its chunked
+  one (``LinearCrossEntropyOptions()``); on CUDA also ``torch_compile`` (the reference compiled), ``liger``
+  and ``cce`` (cut-cross-entropy) where they import.
 - ``model``: forward + backward of a Qwen3-shaped model (hidden 256, 2 layers, vocab 151,936) on 4 x tokens/4, the
   unpatched transformers model against the same after ``fasttrain.loss.model_patch.enable_fused_loss``.
 - ``head``: Qwen3-0.6B's LM head (hidden 1,024) three ways: ``gemms`` (its three GEMMs alone, each into a fresh
@@ -18,13 +18,13 @@ Cases (``--cases``), each implementation's loss + backward, the first implementa
   SFT on CUDA ``liger`` (the loss alone). ``trl_sft``: SFTTrainer's outputs (log-probs, entropy, top-1), loss
   ``-sum(log_probs) / n``; ``trl_dpo``: DPOTrainer's (plus mean logits), the sigmoid DPO loss over 8 sequences.
 
-On CPU every run is a fresh process (one run's memory cannot hide another's); peak = the child's peak RSS minus its
-RSS after imports. On CUDA the runs share one process (a process start would dwarf the steps); peak =
-``max_memory_allocated`` above what was allocated before the run's inputs. Implementations alternate (order reversed
-every other round); time = the median of the timed steps after a warm-up (``fasttrain.bench.provenance.timed``:
-CUDA events on a GPU), then the median over rounds. '% lim' (``fasttrain.bench.roofline``): the least time the
-hardware allows, 6 N H V FLOPs for N scored tokens at the measured matmul rate or the bytes the head must move
-(hidden, weight and their gradients) at the copy rate, over the measured time. fp32 on CPU, bf16 on CUDA.
+On CPU every run is a fresh process (one run's memory cannot hide another's); peak = the child's peak RSS
+minus its RSS after imports. On CUDA the runs share one process (a process start would dwarf the steps); peak
+= ``max_memory_allocated`` above what was allocated before the run's inputs. Implementations alternate (order
+reversed every other round); time = the median of the timed steps after a warm-up (``provenance.timed``), then
+the median over rounds. '% lim' (``fasttrain.bench.roofline``): the least time the hardware allows (6 N H V
+FLOPs for N scored tokens at the measured matmul rate, or the head's tensors and gradients at the copy rate)
+over the measured time. fp32 on CPU, bf16 on CUDA.
 
     python benchmarks/bench_loss.py                 # writes benchmarks/results/loss_cpu.{json,md}
     python benchmarks/bench_loss.py --rounds 1 --tokens 256   # quick look
@@ -44,30 +44,24 @@ import subprocess
 import sys
 import time
 from functools import partial
-from pathlib import Path
+
+import torch
+import torch.nn.functional as F
 
 import _common
 from fasttrain.bench import provenance, roofline
 
 VOCAB = 151_936
 HEAD_WIDTH = 1024  # Qwen3-0.6B's hidden size
+# Triton-on-CUDA libraries; torch.compile's compilation would dwarf a CPU step
+CUDA_ONLY = ("torch_compile", "liger", "cce")
 IMPLS = {
-    "loss": (
-        "reference",
-        "fasttrain",
-        "torch_linear_ce",
-        "torch_chunked_ce",
-        "torch_compile",
-        "liger",
-        "cce",
-    ),
+    "loss": ("reference", "fasttrain", "torch_linear_ce", "torch_chunked_ce", *CUDA_ONLY),
     "model": ("reference", "fasttrain"),
     "head": ("gemms", "reference", "fasttrain"),
     "trl_sft": ("plain", "trl", "fasttrain", "liger"),
     "trl_dpo": ("plain", "trl", "fasttrain"),
 }
-# Triton-on-CUDA libraries; torch.compile's compilation would dwarf a CPU step
-CUDA_ONLY = {"torch_compile", "liger", "cce"}
 TRL_OUTPUTS = {
     "trl_sft": ("log_probs", "entropy", "is_top1"),
     "trl_dpo": ("log_probs", "entropy", "mean_logits", "is_top1"),
@@ -83,8 +77,6 @@ def _reference(hidden, weight, labels):  # what ForCausalLMLoss runs after its s
 
 
 def _loss_fn(impl: str):
-    import torch
-
     if impl == "reference":
         return _reference
     if impl == "fasttrain":
@@ -124,8 +116,6 @@ def _loss_step(impl: str, tokens: int, width: int, vocab: int, device: str, dtyp
 
 
 def _head_step(impl: str, tokens: int, width: int, vocab: int = VOCAB, device="cpu", dtype="float32"):
-    import torch
-
     if impl != "gemms":
         return _loss_step(impl, tokens, width, vocab, device, dtype)
     hidden, weight, _ = _common.lm_head_inputs(tokens, width, vocab, device, dtype)
@@ -140,8 +130,6 @@ def _head_step(impl: str, tokens: int, width: int, vocab: int = VOCAB, device="c
 
 
 def _model_step(impl: str, tokens: int, width: int, vocab: int, device: str, dtype: str):
-    import torch
-
     from fasttrain.loss.model_patch import enable_fused_loss
 
     model = _common.tiny_qwen3(vocab, 256, 2, max_position_embeddings=4096)
@@ -163,9 +151,6 @@ def _model_step(impl: str, tokens: int, width: int, vocab: int, device: str, dty
 
 
 def _trl_step(case: str, impl: str, tokens: int, width: int, vocab: int, device: str, dtype: str):
-    import torch
-    import torch.nn.functional as F
-
     from fasttrain.loss.token_logprobs import fused_token_log_probs
 
     if impl == "liger":  # the loss alone: Liger has no per-token log-prob head
@@ -208,8 +193,6 @@ def _trl_step(case: str, impl: str, tokens: int, width: int, vocab: int, device:
 def measure(case: str, impl: str, tokens: int, args) -> dict:
     """One run: build the case, one warm-up step, ``args.steps`` timed steps; time, peak memory and loss, or why
     it was skipped (an implementation that does not import)."""
-    import torch
-
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.empty_cache()
@@ -244,27 +227,16 @@ def run(case: str, impl: str, tokens: int, args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _cost(case: str, tokens: int, width: int, vocab: int, dtype_bytes: int) -> dict:
-    """What the head's loss + backward must do at least: FLOPs of its three matmuls over the scored tokens, and
-    the bytes of hidden, weight and their gradients (the logits never need to exist)."""
-    scored = tokens - len(range(0, tokens, 5)) if case == "loss" else tokens
-    return {"flops": 6.0 * scored * width * vocab, "moved": 2.0 * (tokens + vocab) * width * dtype_bytes}
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = _common.parser(__doc__, device=True)
     parser.add_argument("--child", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
     parser.add_argument("--cases", default="loss,model", help="comma list of " + ", ".join(IMPLS))
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per run (after one warm-up)")
     parser.add_argument("--tokens", help="comma list (default: 4096 on CPU, 8192,16384 on CUDA)")
     parser.add_argument("--hidden", type=int, help="hidden size of the loss and TRL cases (512 CPU, 4096 CUDA)")  # fmt: skip
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="no new run starts after this")
-    parser.add_argument("--out", type=Path, default=_common.RESULTS)
     parser.add_argument("--name", help="results file stem (default: loss_DEVICE)")
     args = parser.parse_args()
     cuda = args.device == "cuda"
@@ -289,15 +261,19 @@ def main() -> None:
                     if time.monotonic() < deadline:
                         runs[impl].append(run(case, impl, tokens, args))
                         print(f"[{case} {tokens}] round {r} {impl}: {runs[impl][-1]}", file=sys.stderr)
-            width = HEAD_WIDTH if case == "head" else args.hidden
-            cost = _cost(case, tokens, width, args.vocab, 2 if args.dtype == "bfloat16" else 4)
-            impls_done = _summary(runs, limits, cost, case)
+            impls_done = _summary(runs, case, tokens, args, limits)
             result["results"].append({"case": case, "tokens": tokens, "impls": impls_done})
             # written after each case and size: a run cut short (--budget-s, a timeout) keeps what it did
             _common.write(args.out, stem, result, title, _markdown(result))
 
 
-def _summary(runs: dict[str, list[dict]], limits: dict, cost: dict, case: str) -> dict:
+def _summary(runs: dict[str, list[dict]], case: str, tokens: int, args, limits: dict) -> dict:
+    """Each implementation's medians and '% lim'. The least the head's loss + backward must do: its three
+    matmuls over the scored tokens, and moving hidden, weight and their gradients (never the logits)."""
+    width, dtype_bytes = HEAD_WIDTH if case == "head" else args.hidden, 2 if args.dtype == "bfloat16" else 4
+    scored = tokens - len(range(0, tokens, 5)) if case == "loss" else tokens
+    moved = 2.0 * (tokens + args.vocab) * width * dtype_bytes
+    cost = {"flops": 6.0 * scored * width * args.vocab, "moved": moved}
     out = {}
     for impl, rs in runs.items():
         done = [r for r in rs if "time_s" in r]

@@ -22,21 +22,18 @@ over speculation; > 1: the speculation wins), and whether the two gradients are 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 from functools import partial
-from pathlib import Path
 
 import torch
 
 import _common
 from fasttrain.bench import provenance
+from fasttrain.loss import fused_linear_cross_entropy, fused_token_log_probs
 
 
 def _step(case: str, speculate: bool, h, w, labels, autocast) -> None:
-    from fasttrain.loss import fused_linear_cross_entropy, fused_token_log_probs
-
     n = int((labels != -100).sum())
     with autocast:
         if case != "ce":  # trl_sft and frozen_head: SFT's outputs and loss
@@ -73,10 +70,8 @@ def _measure(case: str, dtype: str, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = _common.parser(__doc__, device=True)
     sizes = _common.int_options(parser, tokens=1024, hidden=256, vocab=32_000, reps=5)
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--out", type=Path, default=_common.RESULTS, help="folder for NAME.json and NAME.md")
     args = parser.parse_args()
     rows = [
         _measure(case, dtype, args) for case in ("ce", "trl_sft", "frozen_head") for dtype in ("fp32", "bf16")

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
 import _common
+from fasttrain import FusedAdamW
 
 ENGINE_NAMES = {
     "ddp": "DDP", "fsdp2": "FSDP2 full shard", "fsdp2-hybrid": "FSDP2 hybrid shard (2 x world/2)",
@@ -30,9 +34,8 @@ ENGINE_NAMES = {
 }  # fmt: skip
 ENGINES = tuple(ENGINE_NAMES)
 # torch.optim.AdamW, then FusedAdamW by state_dtype ("param": None, the parameter's dtype)
-OPTIMIZER_NAMES = {"torch": "torch AdamW", "param": "FusedAdamW None (param dtype: bf16)",
-                   "float32": "FusedAdamW float32", "8bit": "FusedAdamW 8bit"}  # fmt: skip
-OPTIMIZERS = tuple(OPTIMIZER_NAMES)
+OPTIMIZERS = {"torch": "torch AdamW", "param": "FusedAdamW None (param dtype: bf16)",
+              "float32": "FusedAdamW float32", "8bit": "FusedAdamW 8bit"}  # fmt: skip
 LAUNCH_TIMEOUT_S = 600  # a launch still running then is stopped; its cells record the timeout
 
 
@@ -40,7 +43,6 @@ def optimizer_state_bytes(optimizer: Any) -> dict[str, Any]:
     """What one rank's ``optimizer.state`` holds, step counters included, a DTensor counting its local shard:
     ``bytes``, ``stepped`` (the elements of the parameters this rank's optimizer steps), ``bytes_per_param``,
     and the state tensors' count and dtypes."""
-    import torch
 
     def local(t: Any) -> Any:
         return t.to_local() if hasattr(t, "to_local") else t
@@ -54,35 +56,9 @@ def optimizer_state_bytes(optimizer: Any) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ worker side
-
-
-def _optimizer(kind: str, params):
-    import torch
-
-    from fasttrain import FusedAdamW
-
-    if kind == "torch":
-        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
-    return FusedAdamW(params, lr=1e-4, weight_decay=0.01, state_dtype=None if kind == "param" else kind)
-
-
-def _ds_config(stage: int, world: int, batch: int) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "train_batch_size": batch * world,
-        "gradient_clipping": 1.0, "bf16": {"enabled": True}, "steps_per_print": 10**9,
-        # 0: every weight partitioned under ZeRO-3 (as tests/_deepspeed_worker.py)
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-        "zero_allow_untested_optimizer": True,  # FusedAdamW is not on DeepSpeed's list of tested optimizers
-    }  # fmt: skip
-
-
 def _wrap(model, engine: str, world: int):
     """``model`` under DDP or FSDP2 (a unit per decoder layer; full shard, hybrid on a 2 x world/2 mesh, or
     CPU offload)."""
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-
     if engine == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
     hybrid = engine == "fsdp2-hybrid"
@@ -96,25 +72,32 @@ def _wrap(model, engine: str, world: int):
 
 def _cell(engine: str, kind: str, a, rank: int, world: int) -> dict:
     """One optimizer under one engine: ``a.steps`` steps, then this rank's state bytes."""
-    import torch
-
     model = _common.tiny_qwen3(
         a.vocab, a.hidden, a.layers, max_position_embeddings=a.seq_len, tie_word_embeddings=False
     ).to(torch.bfloat16)
     total_params = sum(p.numel() for p in model.parameters())
     started = time.perf_counter()
     ds = engine.startswith("zero")
+    model = model if ds else _wrap(model, engine, world)  # FSDP2 shards the parameters: wrapped first
+    hyper = {"lr": 1e-4, "weight_decay": 0.01}
+    state_dtype = None if kind == "param" else kind
+    opt = (torch.optim.AdamW(model.parameters(), **hyper) if kind == "torch"
+           else FusedAdamW(model.parameters(), state_dtype=state_dtype, **hyper))  # fmt: skip
+    stepped_by = type(model).__name__
     if ds:
         import deepspeed
 
-        opt = _optimizer(kind, model.parameters())
-        config = _ds_config(int(engine[-1]), world, a.batch)
+        config = {
+            "train_micro_batch_size_per_gpu": a.batch, "gradient_accumulation_steps": 1,
+            "train_batch_size": a.batch * world, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+            "steps_per_print": 10**9,
+            # 0: every weight partitioned under ZeRO-3 (as tests/_deepspeed_worker.py)
+            "zero_optimization": {"stage": int(engine[-1]), "stage3_param_persistence_threshold": 0},
+            # FusedAdamW is not on DeepSpeed's list of tested optimizers
+            "zero_allow_untested_optimizer": True,
+        }  # fmt: skip
         model, wrapper, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         stepped_by = type(wrapper).__name__
-    else:
-        model = _wrap(model, engine, world)
-        opt = _optimizer(kind, model.parameters())
-        stepped_by = type(model).__name__
     losses = []
     for step in range(a.steps):
         g = torch.Generator().manual_seed(1000 * step + rank)
@@ -141,9 +124,6 @@ def _cell(engine: str, kind: str, a, rank: int, world: int) -> dict:
 
 
 def worker(a) -> None:
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(a.threads)
     if any(e.startswith("zero") for e in a.engines.split(",")):
         import deepspeed
@@ -165,15 +145,10 @@ def worker(a) -> None:
                 results.append({"engine": engine, "optimizer": kind, "world": world, "ranks": cells})
                 status = cells[0].get("error") or f"{cells[0]['bytes_per_param']:.3f} B/param"
                 print(f"[world {world}] {engine} {kind}: {status}", flush=True)
-    if rank == 0:
-        Path(a.out_file).write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    _common.worker_done(rank, a.out_file, results)
 
 
 # ------------------------------------------------------------------------------------------------ driver side
-
-
 def launch(engines: list[str], world: int, a) -> list[dict]:
     """One torchrun launch of ``world`` processes running ``engines`` x every optimizer; its cells, a cell the
     launch left out carrying the launch's failure."""
@@ -244,7 +219,7 @@ def _markdown(result: dict) -> list[str]:
         return f"{row['8bit_over_param']:.3f}x{over}"
 
     def table(field: str, ratio: bool) -> list[str]:
-        heads = ["engine", "processes", *OPTIMIZER_NAMES.values()]
+        heads = ["engine", "processes", *OPTIMIZERS.values()]
         heads += ["8-bit / param-dtype states, per rank"] * ratio
         lines = ["| " + " | ".join(heads) + " |", "| --- |" + " ---: |" * (len(heads) - 1)]
         for row in rows:
@@ -281,20 +256,14 @@ def _markdown(result: dict) -> list[str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--engines", default=",".join(ENGINES))
+    p = _common.parser(__doc__)
     p.add_argument("--worlds", default="2,4")
     sizes = dict(steps=1, batch=1, seq_len=64, hidden=256, layers=4, vocab=32000, threads=1)
-    p.set_defaults(sizes=_common.int_options(p, **sizes))
-    p.add_argument("--out", type=Path, default=_common.RESULTS)
-    _common.worker_options(p)
+    _common.launcher_options(p, ENGINES, **sizes)
     a = p.parse_args()
     if a.worker:
-        worker(a)
-        return
+        return worker(a)
     engines = a.engines.split(",")
-    if unknown := set(engines) - set(ENGINES):
-        p.error(f"unknown engines {sorted(unknown)}; choose from {','.join(ENGINES)}")
     result = _common.new_result("optimizer_memory_cpu", "deepspeed")
     result.update(args={**vars(a), "out": str(a.out)})
     started = time.perf_counter()

@@ -13,8 +13,7 @@ sampler.{json,md}.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
+import statistics
 
 import datasets
 import numpy as np
@@ -31,13 +30,12 @@ def build_dataset(rows: int, min_length: int, max_length: int, seed: int) -> dat
     """A datasets.Dataset with one list<int32> column `input_ids` of random lengths, built from offsets."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(min_length, max_length + 1, size=rows)
-    offsets = np.zeros(rows + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
     # Token values do not matter to either side; tile a random block instead of drawing ~10^8 numbers.
     values = np.resize(rng.integers(0, 32_000, size=1 << 20, dtype=np.int32), int(offsets[-1]))
-    offsets_type = np.int32 if offsets[-1] < 2**31 else np.int64
-    array_type = pa.ListArray if offsets_type is np.int32 else pa.LargeListArray
-    column = array_type.from_arrays(pa.array(offsets.astype(offsets_type)), pa.array(values))
+    small = offsets[-1] < 2**31  # list<int32> has int32 offsets; a longer column needs large_list
+    kind, offsets = (pa.ListArray, offsets.astype(np.int32)) if small else (pa.LargeListArray, offsets)
+    column = kind.from_arrays(pa.array(offsets), pa.array(values))
     return datasets.Dataset(pa.table({"input_ids": column}))
 
 
@@ -45,8 +43,8 @@ def side_by_side(reference, ours, args, repeats: int | None = None) -> dict:
     """Reference and fasttrain alternating; their wall times, medians, items/s and the speed-up."""
     times = _common.alternate(repeats or args.repeats, {"reference": reference, "fasttrain": ours})
     out = {f"{side}_s": [wall for wall, _ in t] for side, t in times.items()}
-    for side, t in times.items():
-        out[f"{side}_median_s"] = _common.median_s(t)
+    for side in times:
+        out[f"{side}_median_s"] = statistics.median(out[f"{side}_s"])
         out[f"{side}_items_per_s"] = args.rows / out[f"{side}_median_s"]
     out["speedup"] = out["reference_median_s"] / out["fasttrain_median_s"]
     return out
@@ -60,11 +58,10 @@ def row(name: str, d: dict, unit: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _common.parser(__doc__)
     _common.int_options(parser, rows=1_000_000, batch_size=8, min_length=16, max_length=512, seed=0)
     parser.add_argument("--repeats", type=int, default=7, help="repetitions of the indices measurements")
     parser.add_argument("--startup-repeats", type=int, default=3, help="repetitions of the start-up timing")
-    parser.add_argument("--out", type=Path, default=_common.RESULTS)
     args = parser.parse_args()
     result = _common.new_result("sampler", "pyarrow", "numpy")
     ds = build_dataset(args.rows, args.min_length, args.max_length, args.seed)

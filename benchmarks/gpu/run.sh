@@ -77,11 +77,14 @@ mkdir -p "$out/logs"
 : > "$out/steps.tsv"
 if [ "$smoke" = 1 ]; then
     export TRITON_INTERPRET=1
+    tests=(--collect-only)  # each test file imports and builds its cases at these versions
     preset=(--smoke)
     adamw=(--device cpu --models tiny --dtypes bfloat16 --grad-norms 5 --reps 1 --warmup 0)  # bf16: every mode
     loss=(--device cpu --tokens 64 --hidden 32 --vocab 1000 --rounds 1 --steps 1)
     speculation=(--device cpu --tokens 64 --hidden 32 --vocab 512 --reps 1)
 else
+    tests=(-rfE --junitxml "$out/tests.xml")
+    "$python" -c "import xdist" 2> /dev/null && tests+=(-n 4)
     preset=()
     adamw=(--device cuda --models gpt2-124M,llama3.2-1B --reps 7 --time-cap 23)
     loss=(--device cuda --tokens 8192,16384 --budget-s 18)
@@ -117,13 +120,7 @@ from fasttrain.bench import provenance
 record = {**provenance.record("liger-kernel"), "command": sys.argv[2]}
 json.dump(record, open(sys.argv[1], "w"), indent=1)' "$out/provenance.json" "$command_line"
 command -v nvidia-smi > /dev/null && timeout 20 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
-if [ "$smoke" = 1 ]; then  # each test file imports and builds its cases at these versions
-    step tests "$python" -m pytest -p no:cacheprovider -q --collect-only -m cuda tests/
-else
-    xdist=()
-    "$python" -c "import xdist" 2> /dev/null && xdist=(-n 4)
-    step tests "$python" -m pytest -p no:cacheprovider -q -rfE -m cuda "${xdist[@]}" --junitxml "$out/tests.xml" tests/
-fi
+step tests "$python" -m pytest -p no:cacheprovider -q "${tests[@]}" -m cuda tests/
 
 kernel_lane() {
     # the GPU machine's Triton (in CI's replica) compiles every value of every constexpr once for sm_90
@@ -143,13 +140,11 @@ training_lane() {
 if [ "$smoke" = 1 ] && [ -z "$archive" ]; then
     # on CPU each step is mostly one single-threaded process: one lane per core (the archive needs one writer)
     kernel_lane &
-    lane=$!
-    training_lane
-    wait "$lane"
 else
     kernel_lane
-    training_lane
 fi
+training_lane
+wait  # for the kernel lane, where it ran beside
 awk -F'\t' 'BEGIN { printf "\n%-17s %-22s %7s %5s\n", "step", "status", "seconds", "cap" }
     { printf "%-17s %-22s %7s %5s\n", $1, $2, $3, $4; failed = failed || $2 != "ok" } END { exit failed }' \
     "$out/steps.tsv"
