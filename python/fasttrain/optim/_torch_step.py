@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import rounding
+from ._heap import release_free_heap
 from .layouts import Layout, moment_names
 
 STAGE_ELEMENTS = 1 << 22  # elements per staged batch: 16 MB per fp32 role (its int64 rounding bits: 32 MB)
@@ -77,6 +78,8 @@ def step(
         p, g, st, sa, off = (list(column) for column in zip(*batch, strict=True))
         _staged(p, g, st, lay, work, amsgrad=amsgrad, sr_seed=sr_seed, salts=sa, offsets=off, found_inf=found_inf,
                 **hyper)  # fmt: skip
+    if params[0].device.type == "cpu" and sum(p.numel() for p in params) > STAGE_ELEMENTS // 4:
+        release_free_heap()  # the batches' freed working tensors (module _heap)
 
 
 def _pieces(params, grads, states, lay: Layout, salts, offsets) -> Iterator[tuple]:
