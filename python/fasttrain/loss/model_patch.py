@@ -20,7 +20,8 @@ the model's forward would pass it, then computes exactly ``ForCausalLMLoss``: la
 and shifted left by one (or ``shift_labels`` as given), the sum of token losses divided by
 ``num_items_in_batch`` when given, else the mean over non-ignored tokens; Gemma2/Gemma3's
 ``final_logit_softcapping`` is applied as ``softcap``. It returns ``CausalLMOutputWithPast`` with
-``logits=None`` and the backbone's cache / hidden states / attentions.
+``logits=None`` and the backbone's cache / hidden states / attentions. A tied input embedding hands its gradient
+rows into the head's gradient without a dense copy (``tied_embedding``; same values).
 
 "Equal" to the unpatched model: in fp32, loss and gradients agree to float rounding (~1e-6 relative).
 In bf16 the reference rounds the logits to bf16 (and applies the softcap in bf16) before its fp32
@@ -59,6 +60,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .._logging import log_once
 from ..families import fused_loss_classes
 from ..labels import IGNORE_INDEX, shift_labels
+from . import tied_embedding
 from .function import fused_linear_cross_entropy
 from .lazy_logits import LazyLogitsOutput, logits_thunk
 from .model_token_stats import TOKEN_STATS_KWARG, token_stats
@@ -226,6 +228,7 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     for name in _NOT_BACKBONE_ARGS:
         arguments.pop(name, None)
     # the model's forward hands its **kwargs (num_items_in_batch, shift_labels, ...) to the backbone too
+    tied_embedding.forget(self)
     outputs = backbone(**arguments)
     hidden = outputs[0]  # [batch, seq, hidden]
     weight = _weight_after_backbone(head)
@@ -236,7 +239,7 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         shifted = shift_labels(labels, ignore_index)
     loss = fused_linear_cross_entropy(
         hidden,
-        weight,
+        tied_embedding.expose(self, weight),
         shifted.to(hidden.device),
         head.bias,
         ignore_index=ignore_index,
@@ -309,6 +312,7 @@ def enable_fused_loss(model: nn.Module) -> str | None:
     state = target.__dict__.get(_STATE_ATTR)
     if state is not None:
         state.active = True
+        tied_embedding.install(target)
         return None
     reason = _unsupported_reason(target)
     if reason is not None:
@@ -327,6 +331,7 @@ def enable_fused_loss(model: nn.Module) -> str | None:
     # A bound method (not a plain function) so wrappers that take `model.forward.__func__` (Accelerate's
     # mixed-precision output conversion) keep working; `wraps` keeps the signature the Trainer inspects.
     target.forward = types.MethodType(_bound_wrapper(original), target)
+    tied_embedding.install(target)
     return None
 
 
@@ -372,6 +377,7 @@ def disable_fused_loss(model: nn.Module) -> None:
     if state is None:
         return
     current = target.__dict__.get("forward")
+    tied_embedding.uninstall(target)
     if getattr(getattr(current, "__func__", None), "_fasttrain_fused", False):
         if state.instance_forward is _MISSING:
             del target.forward

@@ -1,0 +1,165 @@
+"""A tied input embedding's gradient added into the output layer's, without a dense ``[vocab, hidden]`` copy.
+
+When the output layer's weight is the input embedding's (Qwen3, Llama-3.2, Gemma: ``tie_word_embeddings``), the
+weight's gradient is the sum of two parts: the head's, dense over the whole vocabulary, and the embedding's, which
+is non-zero only in the rows of the batch's tokens (512 of 151,936 at 512 tokens). torch's embedding backward
+nonetheless builds the second part as a zero-filled dense ``[V, H]`` tensor, and autograd then adds the two: at
+the end of the backward the process holds two weight-sized gradients (0.78 GB each at a 4B model's bf16 head,
+where a step inside backward has freed every other gradient). A sparse gradient would not help: autograd adds a
+sparse part to a dense one out of place (a new ``[V, H]`` tensor).
+
+With the fused loss on, the head reads the weight through ``_Expose``, an identity whose backward notes the head's
+dense gradient (the tensor autograd is about to sum into the weight's gradient) on this forward's ``Link``; the
+embedding's backward, which runs later in the same pass (it is the first layer), adds its rows into that tensor in
+place and hands autograd no weight gradient of its own. The values are the reference's, bit for bit:
+
+- the rows are computed by torch's own ``embedding_dense_backward`` on the batch's ids renumbered to their distinct
+  values (``torch.unique``, order kept): each row sums its occurrences in the same order, at the same precision,
+  with the same ``padding_idx`` and ``scale_grad_by_freq``, as over the whole vocabulary;
+- the sum is the same one addition per element (``head + row``, distinct rows); the reference adds zero to every
+  other row, which changes nothing but a head gradient of exactly ``-0.0`` (kept as ``-0.0`` here, ``+0.0`` there).
+
+A backward that does not run the head's (the model's own path, logits only, a loss on the embeddings) gets the
+embedding's dense reference gradient. On CPU tensors only so far (the CUDA embedding backward's order is not yet
+tested against this), and not for DTensor (FSDP2 shards) or DeepSpeed ZeRO-3 partitions, nor under
+``torch.compile`` tracing: those take ``nn.Embedding``'s own forward.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+_LINK_ATTR = "_fasttrain_tied_link"  # the embedding's link of its latest forward
+_INSTALLED_ATTR = "_fasttrain_tied_forward"  # set while our instance ``forward`` is installed
+
+
+class Link:
+    """One forward of the embedding: the head's dense weight gradient of the same pass, once its backward ran."""
+
+    __slots__ = ("head_grad",)
+
+    def __init__(self) -> None:
+        self.head_grad: torch.Tensor | None = None
+
+
+class _Expose(torch.autograd.Function):
+    """The weight as the head reads it; backward: the head's gradient, noted on the link and passed on as is."""
+
+    @staticmethod
+    def forward(ctx, weight, link: Link):  # type: ignore[override]
+        ctx.link = link
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if grad is not None and grad.layout == torch.strided:
+            ctx.link.head_grad = grad
+        return grad, None
+
+
+class _TiedEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight, link: Link, padding_idx: int, scale_grad_by_freq: bool):  # type: ignore[override]
+        ctx.save_for_backward(ids)
+        ctx.link, ctx.padding_idx, ctx.scale = link, padding_idx, scale_grad_by_freq
+        ctx.vocab = weight.shape[0]
+        return F.embedding(
+            ids, weight, padding_idx if padding_idx >= 0 else None, None, 2.0, scale_grad_by_freq
+        )
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (ids,) = ctx.saved_tensors
+        head_grad, ctx.link.head_grad = ctx.link.head_grad, None  # autograd must hold the last reference
+        if head_grad is None:  # no head gradient in this pass: the reference's, dense
+            return None, _dense(grad, ids, ctx.vocab, ctx.padding_idx, ctx.scale), None, None, None
+        rows, renumbered = torch.unique(ids, sorted=True, return_inverse=True)
+        padding = -1
+        if ctx.padding_idx >= 0:
+            at = int(torch.searchsorted(rows, ctx.padding_idx))
+            if at < rows.numel() and int(rows[at]) == ctx.padding_idx:
+                padding = at
+        head_grad.index_add_(0, rows, _dense(grad, renumbered, rows.numel(), padding, ctx.scale))
+        return None, None, None, None, None
+
+
+def _dense(grad: torch.Tensor, ids: torch.Tensor, rows: int, padding_idx: int, scale: bool) -> torch.Tensor:
+    # what autograd's embedding backward calls for a dense weight (aten::embedding_backward, sparse=False)
+    return torch.ops.aten.embedding_dense_backward(grad, ids, rows, padding_idx, scale)
+
+
+def _takes_rows_path(module: nn.Embedding, ids: torch.Tensor) -> bool:
+    weight = module.weight
+    return (
+        torch.is_grad_enabled()
+        and weight.requires_grad
+        and weight.device.type == "cpu"
+        and type(weight) in (torch.Tensor, nn.Parameter)  # not a DTensor shard or another subclass
+        and not hasattr(weight, "ds_id")  # a DeepSpeed ZeRO-3 partition
+        and module.max_norm is None  # max_norm renormalises rows in place inside the forward
+        and not module.sparse
+        and not torch.compiler.is_compiling()
+        and ids.dtype in (torch.int32, torch.int64)
+    )
+
+
+def _forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    if not _takes_rows_path(self, ids):
+        self.__dict__.pop(_LINK_ATTR, None)
+        return nn.Embedding.forward(self, ids)
+    link = self.__dict__[_LINK_ATTR] = Link()
+    padding = -1 if self.padding_idx is None else self.padding_idx  # nn.Embedding made it non-negative
+    return _TiedEmbedding.apply(ids, self.weight, link, padding, self.scale_grad_by_freq)
+
+
+def tied_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The model's input embedding when it is a plain ``nn.Embedding`` whose weight is the output layer's."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if type(embedding) is not nn.Embedding or head is None:
+        return None
+    weights = (embedding._parameters.get("weight"), head._parameters.get("weight"))
+    return embedding if weights[0] is not None and weights[0] is weights[1] else None
+
+
+def install(model: nn.Module) -> bool:
+    """Give a tied ``nn.Embedding`` of ``model`` this forward (the instance only). True when installed."""
+    embedding = tied_embedding(model)
+    if embedding is None:
+        return False
+    if _INSTALLED_ATTR in embedding.__dict__:
+        return True
+    if "forward" in embedding.__dict__:  # someone else's instance forward: theirs runs, untouched
+        return False
+    embedding.__dict__[_INSTALLED_ATTR] = True
+    embedding.forward = types.MethodType(_forward, embedding)
+    return True
+
+
+def uninstall(model: nn.Module) -> None:
+    embedding = model.get_input_embeddings()
+    if not isinstance(embedding, nn.Module) or not embedding.__dict__.pop(_INSTALLED_ATTR, False):
+        return
+    del embedding.forward
+    embedding.__dict__.pop(_LINK_ATTR, None)
+
+
+def forget(model: nn.Module) -> None:
+    """Before a forward: drop the link of an earlier one, so that ``expose`` finds only this forward's."""
+    embedding = model.get_input_embeddings()
+    if isinstance(embedding, nn.Module):
+        embedding.__dict__.pop(_LINK_ATTR, None)
+
+
+def expose(model: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """The weight for the head of a fused forward: through ``_Expose`` when this forward's embedding (tied to it)
+    took the rows path, so that its backward adds into the head's gradient; else ``weight`` itself."""
+    embedding = tied_embedding(model)
+    link: Any = None if embedding is None else embedding.__dict__.get(_LINK_ATTR)
+    if link is None or embedding.weight is not weight or not torch.is_grad_enabled():
+        return weight
+    return _Expose.apply(weight, link)

@@ -1,0 +1,195 @@
+"""A tied embedding's gradient rows added into the head's gradient without a dense [V, H] copy
+(``fasttrain.loss.tied_embedding``): the weight's gradient must be the reference's bit for bit (the same rows, summed
+in the same order at the same precision, then one addition per element), dense, held in the head's gradient tensor
+with no other weight-sized tensor made in the backward; without the head's gradient in the same backward, the
+embedding's own dense one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import _tiny
+from fasttrain.loss import chunked_head, tied_embedding
+from fasttrain.loss.function import fused_linear_cross_entropy
+from fasttrain.loss.model_patch import disable_fused_loss, enable_fused_loss
+
+pytestmark = pytest.mark.numeric  # half-precision sums: another instruction set rounds its own way
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+class _TiedLM(nn.Module):
+    """A tied embedding and a head: the loss reads the embedding's rows and the fused head's cross-entropy."""
+
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, **embedding) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, hidden, dtype=dtype, **embedding)
+        self.head = nn.Linear(hidden, vocab, bias=False, dtype=dtype)
+        self.head.weight = self.embed.weight
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+    def loss(self, ids: torch.Tensor, head: bool = True) -> torch.Tensor:
+        tied_embedding.forget(self)
+        hidden = torch.tanh(self.embed(ids).float() * 3).to(self.embed.weight.dtype)
+        if not head:
+            return hidden.float().square().sum()
+        weight = tied_embedding.expose(self, self.head.weight)
+        return fused_linear_cross_entropy(hidden, weight, ids.roll(-1), chunk_rows=1 << 20)
+
+
+def _ids(vocab: int) -> torch.Tensor:
+    # many repeats of a few tokens: the order and precision of each row's sum show in half precision
+    g = torch.Generator().manual_seed(1)
+    return torch.cat([torch.randint(0, 8, (200,), generator=g), torch.randint(0, vocab, (56,), generator=g)])
+
+
+def _weight_grad(model: _TiedLM, ids: torch.Tensor, *, rows_path: bool, head: bool = True) -> torch.Tensor:
+    model.embed.weight.grad = None
+    if rows_path:
+        tied_embedding.install(model)
+    try:
+        model.loss(ids, head).backward()
+    finally:
+        tied_embedding.uninstall(model)
+    return model.embed.weight.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "embedding", [{}, {"padding_idx": 3}, {"padding_idx": 500}, {"scale_grad_by_freq": True}], ids=str
+)
+def test_weight_gradient_is_the_references_bit_for_bit(dtype, embedding):
+    model = _TiedLM(509, 24, dtype, **embedding)
+    ids = _ids(509)
+    reference = _weight_grad(model, ids, rows_path=False)
+    ours = _weight_grad(model, ids, rows_path=True)
+    assert ours.layout == torch.strided
+    assert torch.equal(ours, reference)
+
+
+def test_rows_are_summed_as_the_reference_sums_them():
+    # a sum of each row's occurrences in fp32, rounded once, is closer to the truth but not the reference's:
+    # the bf16 data must tell the two apart, or the bit-for-bit test above could not catch a changed order
+    grad = torch.randn(256, 24, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2))
+    ids = _ids(509)
+    reference = torch.ops.aten.embedding_dense_backward(grad, ids, 509, -1, False)
+    widened = torch.zeros(509, 24).index_add_(0, ids, grad.float()).to(torch.bfloat16)
+    assert not torch.equal(reference, widened)
+
+
+def test_the_heads_gradient_tensor_becomes_the_weights_and_nothing_weight_sized_is_made(monkeypatch):
+    vocab, hidden = 4099, 16
+    model = _TiedLM(vocab, hidden, torch.bfloat16)
+    ids = _ids(vocab)
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.made: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.shape == (vocab, hidden):
+                inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+                if out.untyped_storage().data_ptr() not in inputs:  # not in place, not a view
+                    self.made.append(func._schema.name)
+            return out
+
+    def backward_allocations(rows_path: bool) -> list[str]:
+        model.embed.weight.grad = None
+        if rows_path:
+            tied_embedding.install(model)
+        try:
+            loss = model.loss(ids)
+            with Allocations() as seen:
+                loss.backward()
+        finally:
+            tied_embedding.uninstall(model)
+        return seen.made
+
+    assert "aten::embedding_dense_backward" in backward_allocations(rows_path=False)  # the reference's copy
+    assert backward_allocations(rows_path=True) == []
+
+    produced = []  # where the head's gradient is (computed in the forward, handed over by the backward)
+    finish = chunked_head._Grads.finish
+
+    def spy(self, *args):
+        grads = finish(self, *args)
+        produced.append(
+            grads[1].data_ptr()
+        )  # not the tensor: a reference held here would make autograd copy it
+        return grads
+
+    monkeypatch.setattr(chunked_head._Grads, "finish", spy)
+    assert _weight_grad(model, ids, rows_path=True).data_ptr() == produced[-1]
+
+
+def test_without_the_heads_gradient_the_embedding_gives_its_dense_one():
+    model = _TiedLM(509, 24, torch.float32)
+    ids = _ids(509)
+    grad = _weight_grad(model, ids, rows_path=True, head=False)  # the head is not in this backward
+    assert grad.layout == torch.strided
+    assert torch.equal(grad, _weight_grad(model, ids, rows_path=False, head=False))
+
+
+def test_empty_batch():
+    model = _TiedLM(509, 24, torch.bfloat16)
+    ids = torch.zeros(0, dtype=torch.long)
+    reference = _weight_grad(model, ids, rows_path=False)
+    assert torch.equal(_weight_grad(model, ids, rows_path=True), reference)
+
+
+def test_untied_models_are_left_alone():
+    model = _tiny.model("qwen3")  # untied
+    assert tied_embedding.tied_embedding(model) is None
+    assert not tied_embedding.install(model)
+    assert "forward" not in model.get_input_embeddings().__dict__
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_model_gradients_equal_the_model_without_the_rows_path(dtype):
+    # the causal LM through the fused loss, tied: every gradient equals the one with the embedding's dense path
+    torch.manual_seed(0)
+    model = _tiny.model("qwen3", dtype=dtype)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    assert tied_embedding.tied_embedding(model) is not None
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, _tiny.VOCAB, (2, 40), generator=g)
+    ids[:, :20] = ids[:, :1]  # repeated tokens
+
+    def grads(rows_path: bool) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        enable_fused_loss(model)
+        if not rows_path:
+            tied_embedding.uninstall(model)
+        try:
+            model.train()
+            model(input_ids=ids, labels=ids).loss.backward()
+        finally:
+            disable_fused_loss(model)
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    reference, ours = grads(False), grads(True)
+    assert "forward" not in model.get_input_embeddings().__dict__  # disable took it off
+    assert reference.keys() == ours.keys()
+    for name in reference:
+        assert ours[name].layout == torch.strided
+        assert torch.equal(ours[name], reference[name]), name
+
+
+def test_an_embedding_with_its_own_instance_forward_is_left_alone():
+    model = _TiedLM(509, 24, torch.float32)
+    theirs = model.embed.forward = lambda ids: nn.Embedding.forward(model.embed, ids) * 2
+    assert not tied_embedding.install(model)
+    tied_embedding.uninstall(model)
+    assert model.embed.forward is theirs
