@@ -69,3 +69,50 @@ def test_up_to_hidden_size_tokens_one_chunk_gives_the_weight_gradient_in_its_dty
     assert made and all(g._weight_direct for g in made)
     assert all(g.weight.dtype == dtype for g in made)  # the product itself, never an fp32 accumulator
     assert_all_truth(triples, k=2.0, ulps=1.0, dtype=dtype)
+
+
+def _run_heads(dtype):
+    from fasttrain.loss.token_logprobs import fused_token_log_probs
+
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 320, dtype=dtype, requires_grad=True)  # tokens <= hidden size: one chunk
+    weight = (torch.randn(1001, 320) * 0.05).to(dtype).requires_grad_()
+    labels = torch.randint(0, 1001, (300,))
+    labels[::7] = -100
+    out = []
+    for loss in (
+        fused_linear_cross_entropy(hidden, weight, labels, backend="torch", label_smoothing=0.1, softcap=5.0),
+        fused_linear_cross_entropy(hidden, weight, labels, backend="torch", z_loss=1e-3, reduction="sum"),
+        # TRL's statistics: the entropy's gradient takes the recompute path
+        sum(t.float().sum() for t in fused_token_log_probs(
+            hidden, weight, labels, outputs=("log_probs", "entropy"), temperature=0.7, backend="torch")
+            if t is not None),
+    ):  # fmt: skip
+        hidden.grad = weight.grad = None
+        loss.backward()
+        out += [loss.detach(), hidden.grad, weight.grad]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_per_row_math_in_blocks_equals_the_whole_chunk(monkeypatch, dtype):
+    """A CPU half-precision chunk runs its per-row math ``STAT_ROWS`` rows at a time (its fp32 temporaries: 311 MB
+    each for 512 rows of a 151,936 vocabulary): bit for bit the whole chunk's, with no larger fp32 buffer."""
+    sizes = []
+    take = chunked_head.Scratch.take
+
+    def spy(self, name, shape, dtype, device):
+        if dtype == torch.float32:
+            sizes.append(shape[0])
+        return take(self, name, shape, dtype, device)
+
+    monkeypatch.setattr(chunked_head.Scratch, "take", spy)
+    monkeypatch.setattr(chunked_head, "STAT_ROWS", 1 << 20)
+    whole = _run_heads(dtype)
+    assert max(sizes) == 300  # one chunk (widened weight gradient), its fp32 temporaries over every row
+    sizes.clear()
+    monkeypatch.setattr(chunked_head, "STAT_ROWS", 64)
+    blocks = _run_heads(dtype)
+    assert sizes and max(sizes) == 64
+    for a, b in zip(whole, blocks, strict=True):
+        assert torch.equal(a, b)

@@ -41,6 +41,8 @@ __all__ = [
 ]  # fmt: skip
 
 MIN_CHUNK_ROWS = 256
+# CPU half-precision chunks run their per-row math this many rows at a time (_chunk_grad_in_blocks)
+STAT_ROWS = 64
 # CPU half-precision weight products are widened to fp32 this many elements at a time (_Grads._add_product)
 _WIDEN_ELEMENTS = 1 << 22
 # torch >= 2.8 has addmm with bf16/fp16 operands and an fp32 output on CUDA (not on CPU)
@@ -241,10 +243,32 @@ def _pass(hidden, weight, bias, plan: _Plan, needs, chunk_grad) -> _Grads | None
             torch.mm(h, w.t(), out=logits)
         else:
             torch.addmm(b, h, w.t(), out=logits)
-        grad = chunk_grad(logits, lo, hi, scratch)
+        grad = _chunk_grad_in_blocks(chunk_grad, logits, lo, hi, scratch, plan.compute_dtype)
         if grads is not None and grad is not None:
             grads.fold(grad, h, w, lo, hi)
     return grads
+
+
+def _chunk_grad_in_blocks(chunk_grad, logits, lo, hi, scratch, dtype) -> torch.Tensor | None:
+    """``chunk_grad`` on the chunk's logits; for CPU half-precision logits, ``STAT_ROWS`` rows at a time.
+
+    The torch chunk math works on fp32 copies of the rows it is given (``lm_head_torch``: ``[rows, V]`` each,
+    twice the bf16 logits' bytes), and writes the gradient back into the logits. A one-chunk half-precision head
+    (``default_chunk_rows``) has up to ``hidden_size`` rows: 512 rows of a 151,936 vocabulary are 311 MB per fp32
+    temporary, beside the 0.78 GB weight gradient of a 4B model. Every statistic and gradient is per row, so the
+    blocks give the same values; the matmuls keep the whole chunk."""
+    if logits.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or hi - lo <= STAT_ROWS:
+        return chunk_grad(logits, lo, hi, scratch)
+    written = False
+    for a in range(lo, hi, STAT_ROWS):
+        b = min(a + STAT_ROWS, hi)
+        rows = logits[a - lo : b - lo]
+        grad = chunk_grad(rows, a, b, scratch)
+        if grad is not None:
+            if grad.data_ptr() != rows.data_ptr():
+                rows.copy_(grad)
+            written = True
+    return logits if written else None
 
 
 def _exact_ratio(upstream: torch.Tensor, valid: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor | None:
