@@ -17,6 +17,11 @@ Cases (``--cases``), each implementation's loss + backward, the first implementa
   CPU, its Triton kernel on CUDA), ``fasttrain`` (``fused_token_log_probs`` as ``trl_support`` calls it), and for
   SFT on CUDA ``liger`` (the loss alone). ``trl_sft``: SFTTrainer's outputs (log-probs, entropy, top-1), loss
   ``-sum(log_probs) / n``; ``trl_dpo``: DPOTrainer's (plus mean logits), the sigmoid DPO loss over 8 sequences.
+- ``speculation``, ``trl_sft_speculation``, ``trl_lora_speculation``: what the chunked head's speculation saves
+  (``fasttrain.loss.chunked_head``: told the upstream gradient of every scored token, the forward computes the
+  gradients and the backward does not recompute the logits). ``fasttrain`` speculates, ``recompute`` is the same
+  loss with its backward recomputing: ``loss``'s mean against ``reduction="none"`` then ``sum() / n``;
+  ``trl_sft``'s loss with ``uniform_grad=True`` against ``False``, its head trainable or frozen (LoRA's).
 
 On CPU every run is a fresh process (one run's memory cannot hide another's); peak = the child's peak RSS
 minus its RSS after imports. On CUDA the runs share one process (a process start would dwarf the steps); peak
@@ -30,6 +35,8 @@ over the measured time. fp32 on CPU, bf16 on CUDA.
     python benchmarks/bench_loss.py --rounds 1 --tokens 256   # quick look
     python benchmarks/bench_loss.py --cases trl_sft,trl_dpo --tokens 2048 --name loss_trl_cpu
     python benchmarks/bench_loss.py --cases head --tokens 460 --name head_gemms_cpu
+    python benchmarks/bench_loss.py --cases speculation,trl_sft_speculation,trl_lora_speculation --tokens 1024 \
+        --hidden 256 --vocab 32000 --name loss_speculation_cpu
     python benchmarks/bench_loss.py --device cuda --cases loss --tokens 8192,16384 --budget-s 18
 """
 
@@ -61,6 +68,9 @@ IMPLS = {
     "head": ("gemms", "reference", "fasttrain"),
     "trl_sft": ("plain", "trl", "fasttrain", "liger"),
     "trl_dpo": ("plain", "trl", "fasttrain"),
+    "speculation": ("recompute", "fasttrain"),
+    "trl_sft_speculation": ("recompute", "fasttrain"),
+    "trl_lora_speculation": ("recompute", "fasttrain"),
 }
 TRL_OUTPUTS = {
     "trl_sft": ("log_probs", "entropy", "is_top1"),
@@ -79,9 +89,11 @@ def _reference(hidden, weight, labels):  # what ForCausalLMLoss runs after its s
 def _loss_fn(impl: str):
     if impl == "reference":
         return _reference
-    if impl == "fasttrain":
+    if impl in ("fasttrain", "recompute"):
         from fasttrain import fused_linear_cross_entropy
 
+        if impl == "recompute":  # the same mean from per-token losses: the backward recomputes the logits
+            return lambda h, w, y: fused_linear_cross_entropy(h, w, y, reduction="none", backend=BACKEND).sum() / (y != -100).sum()  # fmt: skip
         return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend=BACKEND)
     if impl in ("torch_linear_ce", "torch_chunked_ce"):
         options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
@@ -155,9 +167,11 @@ def _trl_step(case: str, impl: str, tokens: int, width: int, vocab: int, device:
 
     if impl == "liger":  # the loss alone: Liger has no per-token log-prob head
         return _loss_step(impl, tokens, width, vocab, device, dtype)
-    outputs = TRL_OUTPUTS[case]
+    outputs = TRL_OUTPUTS.get(case, TRL_OUTPUTS["trl_sft"])  # the speculation cases: SFT's
     # the scored tokens only
     hidden, weight, labels = _common.lm_head_inputs(tokens, width, vocab, device, dtype)
+    # LoRA's head is frozen: only the hidden states need a gradient
+    weight.requires_grad_(case != "trl_lora_speculation")
     ref_logps = torch.randn(8, device=device) * 10 - 100 * tokens / 8
     if impl == "trl":
         from trl.kernels import ChunkedLogProbFunction
@@ -171,19 +185,20 @@ def _trl_step(case: str, impl: str, tokens: int, width: int, vocab: int, device:
         if impl == "trl":
             out = ChunkedLogProbFunction.apply(hidden, weight, None, labels, 1.0, 32768, None, 1.0, outputs)
             return out[0], out[1]
+        sft = case != "trl_dpo" and impl != "recompute"  # SFT's upstream gradient is -1/n for every token
         out = fused_token_log_probs(
-            hidden, weight, labels, outputs=outputs, uniform_grad=case == "trl_sft", backend=BACKEND
+            hidden, weight, labels, outputs=outputs, uniform_grad=sft, backend=BACKEND
         )
         return out.log_probs, out.entropy
 
     def step() -> float:
         hidden.grad = weight.grad = None
         log_probs, entropy = per_token()
-        if case == "trl_sft":
-            loss = -log_probs.float().sum() / tokens
-        else:  # sigmoid DPO over 8 sequences: 4 chosen, 4 rejected
+        if case == "trl_dpo":  # sigmoid DPO over 8 sequences: 4 chosen, 4 rejected
             chosen, rejected = (log_probs.float().reshape(8, -1).sum(1) - ref_logps).chunk(2)
             loss = -F.logsigmoid(0.1 * (chosen - rejected)).mean()
+        else:
+            loss = -log_probs.float().sum() / tokens
         loss.backward()
         return float(loss) + 0.0 * float(entropy.sum())
 
@@ -204,7 +219,7 @@ def measure(case: str, impl: str, tokens: int, args) -> dict:
     torch.manual_seed(0)
     width = HEAD_WIDTH if case == "head" else args.hidden
     shape = (tokens, width, args.vocab, args.device, args.dtype)
-    builders = {"loss": _loss_step, "head": _head_step, "model": _model_step}
+    builders = {"loss": _loss_step, "speculation": _loss_step, "head": _head_step, "model": _model_step}
     try:
         step = _trl_step(case, impl, *shape) if case.startswith("trl_") else builders[case](impl, *shape)
     except ImportError as exc:
@@ -271,9 +286,10 @@ def _summary(runs: dict[str, list[dict]], case: str, tokens: int, args, limits: 
     """Each implementation's medians and '% lim'. The least the head's loss + backward must do: its three
     matmuls over the scored tokens, and moving hidden, weight and their gradients (never the logits)."""
     width, dtype_bytes = HEAD_WIDTH if case == "head" else args.hidden, 2 if args.dtype == "bfloat16" else 4
-    scored = tokens - len(range(0, tokens, 5)) if case == "loss" else tokens
-    moved = 2.0 * (tokens + args.vocab) * width * dtype_bytes
-    cost = {"flops": 6.0 * scored * width * args.vocab, "moved": moved}
+    scored = tokens - len(range(0, tokens, 5)) if case in ("loss", "speculation") else tokens
+    frozen = case == "trl_lora_speculation"  # no weight gradient: two matmuls of three, one tensor less
+    moved = (2.0 * tokens + (1 if frozen else 2) * args.vocab) * width * dtype_bytes
+    cost = {"flops": (4.0 if frozen else 6.0) * scored * width * args.vocab, "moved": moved}
     out = {}
     for impl, rs in runs.items():
         done = [r for r in rs if "time_s" in r]

@@ -92,7 +92,7 @@ def test_a_failed_or_timed_out_step_is_recorded_and_the_rest_run(tmp_path):
 def _step_of(call: str) -> str | None:
     """The step a stand-in call belongs to, from its arguments."""
     marks = {"-m pytest": "tests", "bench_adamw.py": "adamw", "trl_sft,trl_dpo": "loss-trl",
-             "bench_loss.py": "loss", "bench_loss_speculation.py": "loss-speculation"}  # fmt: skip
+             "--name loss_speculation": "loss-speculation", "bench_loss.py": "loss"}  # fmt: skip
     preset = re.search(r"--preset (\S+)", call)
     if preset:
         return preset.group(1)

@@ -50,7 +50,7 @@ compile           -  300
 adamw            35  300
 loss             30  450
 loss-trl         30  450
-loss-speculation 15  120
+loss-speculation 15  300
 gpu-e2e          65  400
 gpu-packing      50  400
 gpu-sft          30  300
@@ -81,14 +81,14 @@ if [ "$smoke" = 1 ]; then
     preset=(--smoke)
     adamw=(--device cpu --models tiny --dtypes bfloat16 --grad-norms 5 --reps 1 --warmup 0)  # bf16: every mode
     loss=(--device cpu --tokens 64 --hidden 32 --vocab 1000 --rounds 1 --steps 1)
-    speculation=(--device cpu --tokens 64 --hidden 32 --vocab 512 --reps 1)
+    speculation=(--device cpu --tokens 64 --hidden 32 --vocab 512 --rounds 1 --steps 1)
 else
     tests=(-rfE --junitxml "$out/tests.xml")
     "$python" -c "import xdist" 2> /dev/null && tests+=(-n 4)
     preset=()
     adamw=(--device cuda --models gpt2-124M,llama3.2-1B --reps 7 --time-cap 23)
     loss=(--device cuda --tokens 8192,16384 --budget-s 18)
-    speculation=(--device cuda --tokens 8192 --hidden 2048 --vocab 151936 --reps 6)  # Qwen3-1.7B's head
+    speculation=(--device cuda --tokens 8192 --hidden 2048 --budget-s 8)  # Qwen3-1.7B's head
 fi
 
 step() {  # step NAME COMMAND...: COMMAND under NAME's cap, logged, one line in steps.tsv; never stops the run
@@ -129,7 +129,7 @@ kernel_lane() {
     step adamw "$python" benchmarks/bench_adamw.py --out "$out" "${adamw[@]}"
     step loss "$python" benchmarks/bench_loss.py --out "$out" --cases loss "${loss[@]}"
     step loss-trl "$python" benchmarks/bench_loss.py --out "$out" --cases trl_sft,trl_dpo --name loss_trl "${loss[@]}"
-    step loss-speculation "$python" benchmarks/bench_loss_speculation.py --out "$out" "${speculation[@]}"
+    step loss-speculation "$python" benchmarks/bench_loss.py --out "$out" --name loss_speculation --cases speculation,trl_sft_speculation,trl_lora_speculation "${speculation[@]}"
 }
 training_lane() {
     for name in gpu-e2e gpu-packing gpu-sft gpu-dpo gpu-grpo; do
