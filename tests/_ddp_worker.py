@@ -13,6 +13,8 @@ Runs, one after the other in the same processes (a name is read as its parts):
 - ``-resume``: resuming from the checkpoint its ``-save`` twin wrote, in the same launch;
 - ``-noclip``: ``max_grad_norm=0``; ``-inbw``: ``step_in_backward=true`` in ``optim_args`` (which needs
   ``max_grad_norm=0`` too): under DDP the step runs in a communication hook on each bucket's averaged gradient;
+- ``-tied``: lm_head tied to the input embedding (the embedding's gradient rows go into the head's gradient in
+  place, ``fasttrain.loss.tied_embedding``); ``-dense``: that path off (the embedding's own dense gradient);
 - ``single`` / ``single-8bit``: one process, 2 rows and 4 accumulation steps: the same 8 rows a step as two DDP
   ranks train on (the seeded random sampler, cut in consecutive batches of 2 that Accelerate deals out to the
   ranks in turn), summed in another order.
@@ -33,6 +35,7 @@ import torch
 import _engine_worker as engine  # beside this file: a script's own directory is on sys.path
 import _tiny as tiny
 import fasttrain
+from fasttrain.loss import tied_embedding
 
 SAVE_STEP = 3
 EIGHT_BIT = "state_dtype=8bit,min_8bit_size=256"
@@ -44,6 +47,26 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
     fasttrain.unpatch()
     fasttrain.patch()
     model = tiny.model("qwen3")
+    if "-tied" in run:
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+    expose, rows_path = tied_embedding.expose, []
+
+    def counted(
+        model, weight
+    ):  # evidence that the path ran (-dense: the head's gradient is never handed over)
+        out = weight if "-dense" in run else expose(model, weight)
+        rows_path.append(out is not weight)
+        return out
+
+    tied_embedding.expose = counted
+    try:
+        return {**_train(run, a, model, single), "tied_rows_forwards": sum(rows_path)}
+    finally:
+        tied_embedding.expose = expose
+
+
+def _train(run: str, a: argparse.Namespace, model, single: bool) -> dict:
     initial_checksum = sum(p.detach().double().sum().item() for p in model.parameters())
     args = tiny.training_args(
         str(Path(a.out) / run),

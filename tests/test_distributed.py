@@ -281,7 +281,8 @@ def test_ddp_resume_continues_as_the_uninterrupted_run(state_runs, run):
 # -- the optimizer step inside backward under DDP, through the Trainer (tests/_ddp_worker.py -inbw) -------------
 
 INBW_RUNS = ["fasttrain-noclip", "fasttrain-inbw-save", "fasttrain-inbw-resume", "fasttrain-8bit-noclip",
-             "fasttrain-8bit-inbw"]  # fmt: skip
+             "fasttrain-8bit-inbw", "fasttrain-tied-noclip", "fasttrain-tied-dense-noclip",
+             "fasttrain-tied-inbw"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -332,3 +333,18 @@ def test_ddp_step_in_backward_resumes_as_the_uninterrupted_run(inbw_runs):
         after = [log for log in r["logs"] if log["step"] > SAVE_STEP]
         assert [log["step"] for log in after] == [4, 5, 6]
         assert all(log["loss"] == expected[log["step"]] for log in after)
+
+
+def test_ddp_tied_embedding_rows_into_the_heads_gradient_equal_the_dense_gradient(inbw_runs):
+    """A tied lm_head under DDP: the embedding's gradient rows added into the head's gradient in place (the
+    reducer averages the sum autograd hands it) leave the weights of the embedding's own dense gradient bit for
+    bit, with an ordinary step and with the step inside backward."""
+    dense = inbw_runs["fasttrain-tied-dense-noclip"]
+    for name in ("fasttrain-tied-noclip", "fasttrain-tied-inbw"):
+        for ours, ref in zip(inbw_runs[name], dense, strict=True):
+            assert ours["tied_rows_forwards"] > 0 and ref["tied_rows_forwards"] == 0
+            assert ours["weights_sha256"] == ref["weights_sha256"], name
+            assert [log["loss"] for log in ours["logs"]] == [log["loss"] for log in ref["logs"]]
+    assert (
+        inbw_runs["fasttrain-noclip"][0]["weights_sha256"] != dense[0]["weights_sha256"]
+    )  # tying changed them

@@ -22,7 +22,10 @@ place and hands autograd no weight gradient of its own. The values are the refer
 A backward that does not run the head's (the model's own path, logits only, a loss on the embeddings) gets the
 embedding's dense reference gradient. On CPU tensors only so far (the CUDA embedding backward's order is not yet
 tested against this), and not for DTensor (FSDP2 shards) or DeepSpeed ZeRO-3 partitions, nor under
-``torch.compile`` tracing: those take ``nn.Embedding``'s own forward.
+``torch.compile`` tracing: those take ``nn.Embedding``'s own forward. Under FSDP2 (a model wrapped by
+``fully_shard``) the head reads the weight directly and the embedding's gradient stays dense. DDP and DeepSpeed
+ZeRO-1/2 hold plain parameters: the path runs there, tested against the dense gradient under DDP
+(``tests/test_distributed.py``) and against float64 under ZeRO-1/2 (``tests/test_deepspeed.py``).
 """
 
 from __future__ import annotations
@@ -160,6 +163,16 @@ def expose(model: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     took the rows path, so that its backward adds into the head's gradient; else ``weight`` itself."""
     embedding = tied_embedding(model)
     link: Any = None if embedding is None else embedding.__dict__.get(_LINK_ATTR)
-    if link is None or embedding.weight is not weight or not torch.is_grad_enabled():
+    if link is None or embedding.weight is not weight or not torch.is_grad_enabled() or _fsdp2(model):
         return weight
     return _Expose.apply(weight, link)
+
+
+def _fsdp2(model: nn.Module) -> bool:
+    # FSDP2 swaps whole nn.Parameters in for its shards during the forward: a plain tensor then, but its
+    # gradient is reduce-scattered by FSDP's own hooks, not tested with this path; its embedding stays dense
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in (model, model.get_input_embeddings()))
