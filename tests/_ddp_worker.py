@@ -52,9 +52,8 @@ def train_once(run: str, a: argparse.Namespace) -> dict:
         model.tie_weights()
     expose, rows_path = tied_embedding.expose, []
 
-    def counted(
-        model, weight
-    ):  # evidence that the path ran (-dense: the head's gradient is never handed over)
+    # evidence that the path ran (-dense: the head's gradient is never handed over)
+    def counted(model, weight):
         out = weight if "-dense" in run else expose(model, weight)
         rows_path.append(out is not weight)
         return out
