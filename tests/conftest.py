@@ -60,3 +60,18 @@ def _restore_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+def pytest_runtest_logreport(report):
+    """With FASTTRAIN_TEST_LOG=FILE, each test's outcome, seconds and (where it failed) its error are appended to
+    FILE the moment it finishes, so a run stopped by a time cap (the GPU kit's) still says what failed and why.
+    Under xdist the controller receives every worker's reports: it alone writes."""
+    path = os.environ.get("FASTTRAIN_TEST_LOG")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or (report.when != "call" and not report.failed):
+        return
+    error = ""
+    if report.failed:
+        text = report.longreprtext
+        error = " | ".join(text.splitlines()[-12:])[-1500:]  # the assertion and the lines leading to it
+    with open(path, "a", encoding="utf-8") as log:
+        log.write(f"{report.outcome}\t{report.when}\t{report.duration:.2f}\t{report.nodeid}\t{error}\n")

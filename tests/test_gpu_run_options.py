@@ -14,8 +14,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "benchmarks" / "gpu" / "run.sh"
-GPU_STEPS = ["install", "provenance", "tests", "adamw", "loss", "loss-trl", "loss-speculation", "gpu-e2e",
-             "gpu-packing", "gpu-sft", "gpu-dpo", "gpu-grpo"]  # fmt: skip
+KERNELS = ["tests", "adamw", "loss", "loss-trl", "loss-speculation"]
+TRAINING = ["gpu-e2e", "gpu-packing", "gpu-sft", "gpu-dpo", "gpu-grpo"]
+GPU_STEPS = ["install", "provenance", *KERNELS, *TRAINING]
 # Stands in for Python: logs its parent (timeout's command line) and its arguments; the provenance step is real
 FAKE_PYTHON = """#!/usr/bin/env bash
 echo "$(ps -o args= -p $PPID) :: $*" >> "$FAKE_LOG"
@@ -33,24 +34,39 @@ def run(*args: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def budget(*args: str) -> tuple[dict[str, int], int]:
+def budget(*args: str) -> tuple[dict[str, int], dict[str, int], int]:
+    """Each step's cap plus grace, each half's printed total, and the exit status (1: a half is over 570 s)."""
     proc = run("--budget", *args)
-    caps = {name: int(cap) + int(grace) for name, cap, grace in re.findall(r"^(\S+)\s+(\d+) s \+ (\d+) s grace$",
-                                                                           proc.stdout, re.M)}  # fmt: skip
-    return caps, int(re.search(r"^total\s+(\d+) s", proc.stdout, re.M).group(1))
+    caps = {
+        name: int(cap) + int(grace)
+        for name, _, cap, grace in re.findall(
+            r"^(\S+)\s+(\S+)\s+(\d+) s \+ (\d+) s grace$", proc.stdout, re.M
+        )
+    }
+    halves = {half: int(total) for half, total in re.findall(r"^half (\w+)\s+(\d+) s", proc.stdout, re.M)}
+    return caps, halves, proc.returncode  # fmt: skip
 
 
-def test_gpu_caps_plus_kill_grace_fit_ten_minutes():
-    caps, total = budget()
-    assert list(caps) == GPU_STEPS  # every step of the GPU run has a cap and is counted
-    assert total == sum(caps.values()) <= 570
+def test_gpu_caps_plus_kill_grace_fit_ten_minutes_per_half():
+    caps, halves, status = budget()
+    assert list(caps) == GPU_STEPS and status == 0  # every step of the GPU run has a cap and is counted
+    shared = caps["install"] + caps["provenance"]
+    assert halves == {"kernels": shared + sum(caps[name] for name in KERNELS),
+                      "training": shared + sum(caps[name] for name in TRAINING)}  # fmt: skip
+    assert (
+        max(halves.values()) <= 570 < sum(caps.values())
+    )  # each half fits one 10-minute call, the whole does not
+    caps, halves, _ = budget("--part", "training")
+    assert list(caps) == ["install", "provenance", *TRAINING] and list(halves) == ["training"]
     # the smoke run adds the sm_90 compile step and is not held to the GPU's budget
-    caps, total = budget("--smoke")
-    assert list(caps) == [*GPU_STEPS[:3], "compile", *GPU_STEPS[3:]] and total > 570
+    caps, halves, status = budget("--smoke")
+    assert (
+        list(caps) == [*GPU_STEPS[:3], "compile", *GPU_STEPS[3:]] and halves["kernels"] > 570 and status == 0
+    )
 
 
 def test_an_unknown_option_or_a_missing_value_stops_at_once(tmp_path):
-    for args in (["--only", "tests"], ["--out"]):
+    for args in (["--only", "tests"], ["--out"], ["--part", "tests"]):
         proc = run(*args)
         assert proc.returncode == 2 and "run.sh:" in proc.stderr, (args, proc.stderr)
 
@@ -70,9 +86,9 @@ def test_a_failed_or_timed_out_step_is_recorded_and_the_rest_run(tmp_path):
     rows = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
     status = {name: state for name, state, _, _ in rows}
     assert [row[0] for row in rows] == GPU_STEPS[1:]  # no wheels: nothing to install
-    assert status["adamw"] == "FAILED (exit 3)" and status["loss-trl"] == "TIMEOUT after 30 s"
+    assert status["adamw"] == "FAILED (exit 3)" and status["loss-trl"] == "TIMEOUT after 45 s"
     assert all(state == "ok" for name, state in status.items() if name not in ("adamw", "loss-trl")), status
-    caps, _ = budget()
+    caps, _, _ = budget()
     for name in GPU_STEPS[2:]:  # each step's command ran under timeout with its own cap
         parents = [line.split(" :: ")[0] for line in calls if _step_of(line) == name]
         assert parents and all(p.startswith(f"timeout -k 5 {caps[name] - 5} ") for p in parents), (
@@ -81,8 +97,10 @@ def test_a_failed_or_timed_out_step_is_recorded_and_the_rest_run(tmp_path):
         )
     assert "--preset gpu-grpo --no-progress --json" in "\n".join(calls)
     assert "-m cuda" in "\n".join(calls) and "--collect-only" not in "\n".join(calls)
+    tests_call = next(line for line in calls if _step_of(line) == "tests")  # each test logged as it finishes
+    assert f"env FASTTRAIN_TEST_LOG={out}/tests.tsv " in tests_call, tests_call
     # the printed table, and the provenance the real step wrote
-    assert re.search(r"^adamw\s+FAILED \(exit 3\)\s+\d+\s+35$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^adamw\s+FAILED \(exit 3\)\s+\d+\s+60$", proc.stdout, re.M), proc.stdout
     provenance = json.loads((out / "provenance.json").read_text())
     assert provenance["command"].startswith("bash benchmarks/gpu/run.sh --out ") and "commit" in provenance
     with tarfile.open(tmp_path / "gpu.tar.gz") as archive:  # packed after the last step
@@ -108,3 +126,53 @@ def test_smoke_collects_the_tests_and_compiles_for_sm90(tmp_path):
         "--collect-only -m cuda tests/" in joined and "tests/_compile_kernels_sm90.py --each-value" in joined
     )
     assert "--preset gpu-e2e --smoke" in joined and "--device cuda" not in joined
+
+
+def test_the_halves_run_their_own_steps_into_one_table(tmp_path):
+    """--part kernels, then --part training into the same DIR: each runs its own steps, the table keeps both."""
+    for part, expected in (("kernels", KERNELS), ("training", [*KERNELS, *TRAINING])):
+        _, out, calls = _fake_run(tmp_path, "--part", part)
+        steps = [line.split("\t")[0] for line in (out / "steps.tsv").read_text().splitlines()]
+        assert [name for name in steps if name != "provenance"] == expected, (part, steps)
+    assert not any(_step_of(line) in KERNELS for line in calls[-len(TRAINING) - 1 :]), (
+        calls
+    )  # training ran alone
+
+
+def test_the_commit_reaches_a_copy_without_git(tmp_path):
+    """The GPU machine gets the tree without .git: prepare.sh writes .whl/COMMIT, run.sh exports it to every
+    step, and provenance names it where git cannot."""
+    wheels, fake, log = tmp_path / "wheels", tmp_path / "python", tmp_path / "seen.log"
+    wheels.mkdir()
+    (wheels / "COMMIT").write_text("0123abc+dirty\n")
+    fake.write_text('#!/usr/bin/env bash\necho "commit=$FASTTRAIN_COMMIT" >> "$FAKE_LOG"\n')
+    fake.chmod(0o755)
+    run("--out", str(tmp_path / "out"), "--wheels", str(wheels), "--part", "training", PYTHON=str(fake),
+        FAKE_LOG=str(log))  # fmt: skip
+    seen = log.read_text().splitlines()
+    assert len(seen) >= len(TRAINING) and set(seen) == {"commit=0123abc+dirty"}, seen
+    from fasttrain.bench import provenance
+
+    os.environ["FASTTRAIN_COMMIT"] = "0123abc+dirty"  # conftest restores the environment after the test
+    assert provenance.git_commit() not in (None, "0123abc+dirty")  # a checkout: git's answer wins
+    assert provenance.git_commit(tmp_path) == "0123abc+dirty"  # no checkout there
+
+
+def test_each_test_is_logged_as_it_finishes_with_its_error(tmp_path):
+    """tests/conftest.py with FASTTRAIN_TEST_LOG: one line per test from the xdist controller alone, a failure's
+    assertion included, written before the session ends (a run killed by its cap keeps them)."""
+    (tmp_path / "test_two.py").write_text(
+        "def test_ok():\n    pass\n\n\ndef test_bad():\n    assert 1 == 2, 'boom'\n"
+    )
+    log = tmp_path / "tests.tsv"
+    env = {**os.environ, "FASTTRAIN_TEST_LOG": str(log), "PYTHONPATH": str(ROOT / "tests")}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", "-n", "2",
+                           "--rootdir", str(tmp_path), str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout
+    rows = sorted(line.split("\t") for line in log.read_text().splitlines())
+    assert [(row[0], row[1], row[3].split("::")[-1]) for row in rows] == [
+        ("failed", "call", "test_bad"),
+        ("passed", "call", "test_ok"),
+    ]
+    assert "AssertionError: boom" in rows[0][4] and rows[1][4] == ""

@@ -22,6 +22,8 @@ esac
 .venv/bin/python -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --abi cp312 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
     -d "$dest" -r benchmarks/gpu/wheels.txt
+# the GPU machine gets the tree without .git: its results name this commit (fasttrain.bench.provenance)
+.venv/bin/python -c 'from fasttrain.bench import provenance; print(provenance.git_commit() or "")' > "$dest/COMMIT"
 # pip on the GPU machine refuses two versions of one package in one install
 dupes=$(cd "$dest" && printf '%s\n' *.whl | cut -d- -f1 | tr 'A-Z-' 'a-z_' | sort | uniq -d)
 [ -z "$dupes" ] || { echo "prepare.sh: several wheels of: $dupes (remove the stale ones from $dest)" >&2; exit 1; }

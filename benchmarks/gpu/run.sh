@@ -4,77 +4,95 @@
 # compiled on the GPU, the kernel benchmarks (--device cuda) and the trainings (`fasttrain bench --preset gpu-*`).
 # Every step runs under its own cap (timeout); one that fails or hits its cap is recorded and the rest still run.
 #
-#   bash benchmarks/gpu/run.sh --out DIR [--archive FILE.tar.gz] [--smoke] [--wheels DIR] [--budget]
+#   bash benchmarks/gpu/run.sh --out DIR [--archive FILE.tar.gz] [--part kernels|training] [--smoke] [--wheels DIR]
+#                              [--budget]
 #
+#   --part     one half: the tests and kernel benchmarks, or the trainings (each half ends within 10 minutes on one
+#              H200; the whole run does not); both halves by default
 #   --smoke    the same steps on CPU at tiny sizes (Triton interpreted, the tests only collected), plus `compile`
 #              (every kernel compiled for sm_90 by this Python's Triton); the kernel and training lanes side by side
 #   --archive  DIR packed into FILE after every step: what finished survives an interrupted run
 #   --wheels   the wheels to install (default .whl; without that folder the current environment is used as it is)
-#   --budget   print the caps (each plus the kill grace) and their sum; fail if a GPU run's passes 570 s
+#   --budget   print the caps (each plus the kill grace) and each half's sum; fail if a half's passes 570 s on a GPU
 #
-# DIR gets steps.tsv (step, status, seconds, cap), logs/STEP.log, provenance.json and each step's results; the
-# table of steps is printed last. Exit status 1 if a step failed or timed out.
+# DIR gets steps.tsv (step, status, seconds, cap), logs/STEP.log, provenance.json, tests.tsv (each test's outcome
+# and seconds, written as it finishes: a test step cut short still says which tests failed, and why) and each step's
+# results; the table of steps is printed last. Exit status 1 if a step failed or timed out.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 command_line="bash benchmarks/gpu/run.sh $*"
 
-out=benchmarks/results/gpu archive= wheels=.whl smoke=0 budget=0
+out=benchmarks/results/gpu archive= wheels=.whl smoke=0 budget=0 part=
 while [ $# -gt 0 ]; do
     case "$1" in
-        --out | --archive | --wheels)
+        --out | --archive | --wheels | --part)
             [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; exit 2; }
             declare "${1#--}=$2"
             shift 2 ;;
         --smoke) smoke=1; shift ;;
         --budget) budget=1; shift ;;
         -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
-        *) echo "run.sh: unknown option $1 (--out DIR, --archive FILE, --smoke, --wheels DIR, --budget)" >&2; exit 2 ;;
+        *) echo "run.sh: unknown option $1 (--out DIR, --archive FILE, --part P, --smoke, --wheels DIR, --budget)" >&2
+            exit 2 ;;
     esac
 done
+case "$part" in "" | kernels | training) ;; *) echo "run.sh: --part is kernels or training, not $part" >&2; exit 2 ;; esac
 
-# Caps in seconds: on one H200, then --smoke (2 shared CPU cores, Triton interpreted). On the GPU the caps plus a
-# 5 s kill grace each add up to at most 570 s, so that a run with its start-up and archiving ends within 10 minutes.
-# The benchmarks get budgets below that stop them starting new work before their cap, and `fasttrain bench` writes
-# its results after every run: a step cut short keeps what it finished.
+# Caps in seconds: on one H200, then --smoke (2 shared CPU cores, Triton interpreted). On the GPU each half's caps
+# plus a 5 s kill grace each add up to at most 570 s, so that a half with its start-up and archiving ends within 10
+# minutes. The benchmarks get budgets below their caps that stop them starting new work, and `fasttrain bench`
+# writes its results after every run: a step cut short keeps what it finished. Sized by the first H200 run
+# (benchmarks/results/gpu/README.md): 4 workers ran ~250 of the 342 CUDA tests in 140 s (Triton compiles each
+# kernel variant once; 8 workers were no faster); one `fasttrain bench` process of Qwen3-0.6B takes ~18 s.
 grace=5
-declare -A cap=()
+declare -A cap=() half=()
 steps=()
-while read -r name gpu_cap smoke_cap; do
+while read -r name which gpu_cap smoke_cap; do
     [ "$smoke" = 1 ] && cap[$name]=$smoke_cap || cap[$name]=$gpu_cap
-    [ "${cap[$name]}" = - ] || steps+=("$name")
+    half[$name]=$which
+    if [ "${cap[$name]}" != - ] && { [ -z "$part" ] || [ "$which" = both ] || [ "$which" = "$part" ]; }; then
+        steps+=("$name")
+    fi
 done <<'EOF'
-install          10   60
-provenance       20   60
-tests           140  300
-compile           -  300
-adamw            35  300
-loss             30  450
-loss-trl         30  450
-loss-speculation 15  300
-gpu-e2e          65  400
-gpu-packing      50  400
-gpu-sft          30  300
-gpu-dpo          30  300
-gpu-grpo         50  300
+install          both      10  60
+provenance       both      20  60
+tests            kernels  260 300
+compile          kernels    - 300
+adamw            kernels   60 300
+loss             kernels   45 450
+loss-trl         kernels   45 450
+loss-speculation kernels   25 300
+gpu-e2e          training 110 400
+gpu-packing      training  80 400
+gpu-sft          training  50 300
+gpu-dpo          training  50 300
+gpu-grpo         training  45 300
 EOF
-# tests: Triton compiles each kernel variant once, four at a time; the tests themselves take seconds on the GPU.
-# gpu-e2e: 3 contenders x 2 repetitions, each a process (start, set-up, compilation, 8 steps); gpu-packing 3 x 1.
+# gpu-e2e: 3 contenders x 2 repetitions, each a process (start, set-up, compilation, 8 steps); gpu-packing 4 x 1.
 
 if [ "$budget" = 1 ]; then
-    total=0
+    declare -A total=([kernels]=0 [training]=0)
     for name in "${steps[@]}"; do
-        printf '%-17s %4d s + %d s grace\n' "$name" "${cap[$name]}" "$grace"
-        total=$((total + cap[$name] + grace))
+        printf '%-17s %-8s %4d s + %d s grace\n' "$name" "${half[$name]}" "${cap[$name]}" "$grace"
+        for which in kernels training; do
+            [ "${half[$name]}" = both ] || [ "${half[$name]}" = "$which" ] && total[$which]=$((total[$which] + cap[$name] + grace))
+        done
     done
-    printf 'total             %4d s (limit 570 s)\n' "$total"
-    [ "$smoke" = 1 ] || [ "$total" -le 570 ]
+    fits=1
+    for which in kernels training; do
+        [ -z "$part" ] || [ "$part" = "$which" ] || continue
+        printf 'half %-12s %4d s (limit 570 s)\n' "$which" "${total[$which]}"
+        [ "${total[$which]}" -le 570 ] || fits=0
+    done
+    [ "$smoke" = 1 ] || [ "$fits" = 1 ]
     exit
 fi
 
 python=${PYTHON:-python3}  # the GPU machine has python3, not python
 export PYTHON=$python HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 mkdir -p "$out/logs"
-: > "$out/steps.tsv"
+[ -n "$part" ] || : > "$out/steps.tsv"  # the halves, run one after the other into one DIR, share the table
+[ -f "$wheels/COMMIT" ] && export FASTTRAIN_COMMIT="$(cat "$wheels/COMMIT")"  # a copy without .git names its commit
 if [ "$smoke" = 1 ]; then
     export TRITON_INTERPRET=1
     tests=(--collect-only)  # each test file imports and builds its cases at these versions
@@ -86,14 +104,15 @@ else
     tests=(-rfE --junitxml "$out/tests.xml")
     "$python" -c "import xdist" 2> /dev/null && tests+=(-n 4)
     preset=()
-    adamw=(--device cuda --models gpt2-124M,llama3.2-1B --reps 7 --time-cap 23)
-    loss=(--device cuda --tokens 8192,16384 --budget-s 18)
-    speculation=(--device cuda --tokens 8192 --hidden 2048 --budget-s 8)  # Qwen3-1.7B's head
+    adamw=(--device cuda --models gpt2-124M,llama3.2-1B --reps 7 --time-cap 48)
+    loss=(--device cuda --tokens 8192,16384 --budget-s 33)
+    speculation=(--device cuda --tokens 8192 --hidden 2048 --budget-s 15)  # Qwen3-1.7B's head
 fi
 
 step() {  # step NAME COMMAND...: COMMAND under NAME's cap, logged, one line in steps.tsv; never stops the run
     local name=$1 t0=$SECONDS rc status
     shift
+    [ -z "$part" ] || [ "${half[$name]}" = both ] || [ "${half[$name]}" = "$part" ] || return 0
     echo "[run.sh] $name (cap ${cap[$name]} s): $*" >&2
     timeout -k "$grace" "${cap[$name]}" "$@" > "$out/logs/$name.log" 2>&1
     rc=$?
@@ -120,7 +139,7 @@ from fasttrain.bench import provenance
 record = {**provenance.record("liger-kernel"), "command": sys.argv[2]}
 json.dump(record, open(sys.argv[1], "w"), indent=1)' "$out/provenance.json" "$command_line"
 command -v nvidia-smi > /dev/null && timeout 20 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
-step tests "$python" -m pytest -p no:cacheprovider -q "${tests[@]}" -m cuda tests/
+step tests env FASTTRAIN_TEST_LOG="$out/tests.tsv" "$python" -m pytest -p no:cacheprovider -q "${tests[@]}" -m cuda tests/
 
 kernel_lane() {
     # the GPU machine's Triton (in CI's replica) compiles every value of every constexpr once for sm_90

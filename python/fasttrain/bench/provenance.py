@@ -75,8 +75,8 @@ def versions(*extra: str) -> dict[str, str | None]:
 
 
 def git_commit(where: Path = _SOURCE) -> str | None:
-    """The commit of the checkout fasttrain runs from, with "+dirty" where files differ from it; None for an
-    installed wheel or without git."""
+    """The commit of the checkout fasttrain runs from, with "+dirty" where files differ from it; else the
+    FASTTRAIN_COMMIT a copy without .git was given (the GPU kit's wheels carry it); None without either."""
 
     def git(*args: str) -> str:
         return subprocess.run(
@@ -87,7 +87,7 @@ def git_commit(where: Path = _SOURCE) -> str | None:
         commit = git("rev-parse", "HEAD")
         dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
-        return None
+        return os.environ.get("FASTTRAIN_COMMIT") or None
     return commit + ("+dirty" if dirty else "")
 
 
