@@ -12,11 +12,11 @@ or TRITON_INTERPRET=1 on CPU: the kernels' code path at tiny sizes), each mode a
 (torch's memory) on the Triton kernel and on torch's (which is faster decides the default backend on CUDA), fp32
 moments (bf16 parameters), 8-bit moments on the kernel and in the multi-pass torch form, bf16 stochastic rounding;
 on CUDA also bitsandbytes' and torchao's 8-bit AdamW where they import. Each contender alternates with the
-reference on its own copy of the parameters, order reversed every other repetition (docs/method.md, "Runs and
-timing"), timed by ``provenance.timed`` (CUDA events on a GPU); medians. The step-only columns run without
-clipping: for the default on CPU both sides are the same torch kernel, their ratio is noise. Error: the copies'
-distance after the same steps over the reference's update. '% lim': the least time the copy bandwidth allows for
-the bytes a step moves over the measured time (``fasttrain.bench.roofline``).
+reference on its own copy of the parameters (docs/method.md, "Runs and timing"), timed by ``provenance.timed``;
+medians. The step-only columns run without clipping: for the default on CPU both sides are the same torch
+kernel, their ratio is noise. Error: the copies' distance after the same steps over the reference's update.
+'% lim': the least time the copy bandwidth allows for the bytes a step moves over the measured time
+(``fasttrain.bench.roofline``).
 
     python benchmarks/bench_adamw.py [--reps 9]        # CPU: benchmarks/results/adamw_cpu.{json,md}
     python benchmarks/bench_adamw.py --device cuda --models gpt2-124M,llama3.2-1B --reps 7 --time-cap 23

@@ -81,11 +81,10 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
         f"comma-separated PATHS (of {', '.join(HotPaths.names())}, all)")
     add("--gradient-checkpointing", action=argparse.BooleanOptionalAction, help="the Trainer's "
         "gradient_checkpointing on both sides")
-    add("--frontier", action="store_true", default=None, help="the longest sequence each contender trains: one optimizer step "
-        "at batch 1 with gradient checkpointing at doubling lengths from --seq-len, then bisected to within 10%%, "
-        "each in its own process under --memory-budget (built-in presets: cpu-frontier, cuda-frontier)")
-    add("--memory-budget", metavar="SIZE", help="--frontier: the resident memory (cpu) a run may reach, e.g. 20GiB "
-        "(default: the available memory less 10%%, at least 1 GiB)")
+    add("--frontier", action="store_true", default=None, help="the longest sequence each contender trains under "
+        "--memory-budget, from --seq-len (docs/usage.md; built-in presets: cpu-frontier, cuda-frontier)")
+    add("--memory-budget", metavar="SIZE", help="--frontier: the memory a run may reach, e.g. 20GiB (default: "
+        "the available memory less 10%%, at least 1 GiB)")
     add("--max-length", type=int, help="--frontier: the longest length probed")
     add("--json", metavar="PATH", help="write the results as JSON")
     add("--markdown", metavar="PATH", help="write the table as Markdown, with its provenance")
@@ -264,8 +263,7 @@ def _ablated(spec: str) -> list[str]:
     if not spec.strip():
         return list(known)
     names = list(dict.fromkeys(n.strip().lower() for n in spec.split(",") if n.strip()))
-    unknown = [n for n in names if n not in known]
-    if unknown:
+    if unknown := [n for n in names if n not in known]:
         raise UsageError(
             f"--ablate names unknown hot path(s) {', '.join(unknown)}; known: {', '.join(known)}"
         )

@@ -1,7 +1,4 @@
-"""The built-in offline corpus: the Python standard library's own source files.
-
-Real code, present on every machine that runs Python, identical for every run on that machine: each
-``.py`` file under ``sysconfig.get_paths()["stdlib"]`` (third-party ``site-packages`` excluded) is one
+"""The built-in offline corpus (docs/method.md, "Data"): each ``.py`` file of the Python standard library is one
 document, in a fixed pseudo-random order so that a prefix of the corpus mixes packages and file sizes.
 """
 

@@ -1,7 +1,5 @@
 """Training examples for the bench: the same token ids, in the same order, for every contender
-(``build_examples``; docs/method.md, "Data"). A document of the built-in corpus is a run of consecutive
-top-level blocks of one stdlib file joined while they fit in ``seq_len``; of a local or hub dataset, one row's
-``text``. Streamed lengths put an end-of-text token between two documents.
+(``build_examples``; docs/method.md, "Data"). Streamed lengths put an end-of-text token between two documents.
 """
 
 from __future__ import annotations

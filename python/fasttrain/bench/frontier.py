@@ -1,11 +1,6 @@
-"""``fasttrain bench --frontier``: the longest sequence each contender trains within a memory budget (the
-method: docs/usage.md, "The memory frontiers").
-
-Every probe runs in a process of its own (runner.run_one) whose resident memory the parent reads every few
-milliseconds and stops past the budget: the kernel's OOM killer never decides, as long as the budget is below
-what the machine has free. A run whose own high-water mark (ru_maxrss, read by the child at its end) passed
-the budget does not fit either: a spike between two reads still counts.
-"""
+"""``fasttrain bench --frontier``: the longest sequence each contender trains within a memory budget, every
+probe in a process of its own (runner.run_one) that the parent watches (the method: docs/usage.md, "The memory
+frontiers")."""
 
 from __future__ import annotations
 

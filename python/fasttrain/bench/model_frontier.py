@@ -1,11 +1,7 @@
 """The model-size frontier: the largest real Qwen3 shape each optimizer setting fully fine-tunes in this
-machine's memory, and its bytes per parameter (the method: docs/usage.md).
-
-Every run is ``fasttrain bench``'s worker in a process of its own: the shape at random init, 2 optimizer steps
-at batch 1 on one example of exactly --seq-len tokens, the Trainer's gradient checkpointing, under the memory
-budget the parent watches (bench/frontier.py). Shapes are tried smallest first; a contender stops at its first
-shape that does not fit. Bytes per parameter: the peak resident memory (the process's libraries, ~0.6 GiB,
-included) over the shape's parameters.
+machine's memory, and its bytes per parameter (the method: docs/usage.md, "The memory frontiers"). Shapes are
+tried smallest first; a contender stops at its first shape that does not fit. Bytes per parameter: the peak
+resident memory (the process's libraries, ~0.6 GiB, included) over the shape's parameters.
 
     python -m fasttrain.bench.model_frontier --out benchmarks/results   # 0.6b, 1.7b, 4b: ~40 min on 2 cores
     python -m fasttrain.bench.model_frontier --shapes tiny,qwen3-cpu --seq-len 64 --out /tmp/mf   # a minute

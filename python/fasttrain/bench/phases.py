@@ -1,9 +1,6 @@
-"""The two phases of a GRPO or RLOO step, measured apart: generation (inside the policy's ``model.generate``,
-wrapped on the model instance so that TRL's classes stay as they are) and training (the rest of the step).
-
-Peak memory per phase: each phase change reads the peak since the last one and resets it, so every moment after
-``start`` belongs to one phase: ``max_memory_allocated`` on CUDA; on CPU the peak RSS (VmHWM), reset by writing 5
-to /proc/self/clear_refs (Linux 4.0+). Where the reset is refused the phases have no peaks (None); the run's stays.
+"""The two phases of a GRPO or RLOO step, measured apart (docs/method.md, "TRL's trainers"): ``model.generate``
+is wrapped on the model instance, so that TRL's classes stay as they are. Where the CPU's peak-RSS reset
+(/proc/self/clear_refs, Linux 4.0+) is refused the phases have no peaks (None); the run's stays.
 """
 
 from __future__ import annotations

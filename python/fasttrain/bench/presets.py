@@ -1,9 +1,5 @@
-"""Every default of ``fasttrain bench``, in one table: the built-in presets and the GPU kit's.
-
-A run's settings are three layers, later ones winning: the built-in preset of its device and trainer family
-(``default_for``), the ``--preset`` named (if any) and the options given on the command line. ``--smoke``
-swaps a preset (the named one, else the built-in one) for its tiny-CPU twin: the same command, run through in
-seconds without a GPU.
+"""Every default of ``fasttrain bench``, in one table: the built-in presets and the GPU kit's. How the layers
+combine (built-in preset, ``--preset``, the options given; ``--smoke``'s twins): ``cli.settings``.
 
 "seq_len" may be a mapping per ``--lengths`` kind: the built-in limit differs for drawn and natural lengths.
 "warmup_steps" is capped at ``steps - 1`` unless given on the command line, so that a short run still times a
@@ -125,11 +121,8 @@ PRESETS: dict[str, Preset] = {
          "steps": 5, "warmup_steps": 2, "repeats": 1},
         {**_RL_TWIN, "trainer": "grpo", "completions": "synthetic"},
     ),
-    # --frontier: one optimizer step a probe, batch 1, every example the probed length, gradient checkpointing
-    # on both sides (a user's best memory setting). On 2 CPU cores a qwen3-0.6b step takes minutes at 2,048
-    # tokens and grows with the square of the length (attention): a budget just above fp32 AdamW's own
-    # ~10.7 GiB and a cap of 4,096 bound the search (43 CPU-minutes measured, docs/measured.md); the whole
-    # machine's frontier is hours.
+    # --frontier (docs/usage.md): a step's time grows with the square of the length, so a budget just above
+    # fp32 AdamW's own ~10.7 GiB and a cap of 4,096 bound the CPU search (43 CPU-minutes, docs/measured.md)
     "cpu-frontier": Preset(
         "--frontier on cpu: qwen3-0.6b, fp32, one optimizer step at batch 1 with gradient checkpointing, "
         "lengths from 512 doubled up to 4096 then bisected to within 10%, budget 12 GiB",

@@ -1,9 +1,5 @@
-"""Where a measurement came from: the one record every result file of fasttrain's carries.
-
-``record()`` is what `fasttrain bench`, every script under benchmarks/ and the GPU proof write beside their
-figures (docs/method.md, "Provenance"; the load at the start says how shared the machine was, since a shared
-machine slows every contender). ``timed()`` is the one timer: CUDA events on a GPU (the device time of the
-work a call queues), the wall clock on CPU, with the garbage collector paused as timeit does.
+"""Where a measurement came from (docs/method.md, "Provenance"): ``record()``, what `fasttrain bench`, every
+script under benchmarks/ and the GPU proof write beside their figures; and ``timed()``, the one timer.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """How far a measurement is from what the hardware allows: this machine's matmul and copy rates, measured.
 
-A training step's limit (``percent_of_limit``: docs/method.md, "The matmul limit") is the time its matmuls
-would take alone at the rate a large GEMM reaches here. A kernel's limit (``kernel_percent``) is the slower of
-doing its FLOPs at that rate and moving its bytes at the rate a large copy reads and writes them: an optimizer
-step is bound by bytes, a fused LM head by FLOPs. 100% is the roofline; the rest is time spent elsewhere.
+A training step's limit: ``percent_of_limit`` (docs/method.md, "The matmul limit"). A kernel's limit
+(``kernel_percent``) is the slower of doing its FLOPs at the GEMM rate and moving its bytes at the rate a large
+copy reads and writes them: an optimizer step is bound by bytes, a fused LM head by FLOPs.
 """
 
 from __future__ import annotations

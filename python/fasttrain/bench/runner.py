@@ -1,9 +1,6 @@
 """Run every contender in its own child process, alternating (``schedule``), one progress bar across all runs.
-
-A contender whose run crashes (Liger without a kernel for this GPU, an out-of-memory) is recorded with its error
-and its remaining repetitions are skipped; the other contenders go on. After every run, finished or failed, the
-caller hears of it (``on_run``) so that it can write what finished: a run cut short by a time cap keeps it.
-"""
+A contender whose run crashes is recorded with its error and its remaining repetitions are skipped; after every
+run the caller hears of it (``on_run``) so that it can write what finished."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The built-in tokenizer: a byte-level BPE trained locally on the stdlib corpus, cached on disk.
-
-Training takes a few seconds, so the result is cached under ``~/.cache/fasttrain/tokenizers/<key>/``
-(``FASTTRAIN_CACHE`` overrides the root; the key: ``_cache_key``). The model's vocabulary stays Qwen3's
-151,936 whatever this tokenizer's own size: ids above its range are never produced, as with any tokenizer
-smaller than its model's embedding.
+"""The built-in tokenizer: a byte-level BPE trained locally on the stdlib corpus in a few seconds, cached under
+``~/.cache/fasttrain/tokenizers/<key>/`` (``FASTTRAIN_CACHE`` overrides the root; the key: ``_cache_key``).
 """
 
 from __future__ import annotations

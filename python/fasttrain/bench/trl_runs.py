@@ -2,10 +2,8 @@
 ``patch()`` (what GRPO and RLOO, which generate, need beside: ``rl_runs``); ``build_trainer`` builds
 ``--trainer transformers``' Trainers too.
 
-Both sides build the same trainer class from the same model, data (``sft_rows``, ``preference_rows``,
-``unpaired_rows``: docs/method.md), seed and arguments, TRL's defaults kept; the fasttrain side only calls
-``fasttrain.patch()`` first, as a TRL user would. TRL is imported lazily: a bench and test dependency, never
-one of fasttrain's.
+The sides and their rows: docs/method.md, "The sides" and "TRL's trainers". TRL is imported lazily: a bench
+and test dependency, never one of fasttrain's.
 """
 
 from __future__ import annotations

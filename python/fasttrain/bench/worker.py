@@ -1,9 +1,6 @@
-"""One training run, in its own process: ``python -m fasttrain.bench.worker JOB.json``.
-
-The reference and fasttrain run the same script; only the Trainer class differs (and, for the Liger
-contender, ``use_liger_kernel=True``). The child writes its result to the JSON path named in the job and one
-line per optimizer step to the progress file the parent watches. Its own process keeps its peak memory its own.
-"""
+"""One training run, in its own process (docs/method.md, "Runs and timing"): ``python -m fasttrain.bench.worker
+JOB.json`` writes its result to the JSON path named in the job and one line per optimizer step to the progress
+file the parent watches."""
 
 from __future__ import annotations
 
@@ -48,10 +45,9 @@ def _tokenizer_for(config: BenchConfig):
 
 
 class RealTokenCounter:
-    """Counts the real (non-pad) tokens every training forward receives, from a forward pre-hook: the
-    ``attention_mask``'s sum, else (packed rows) the ids that are not the pad id. At the model's input, padded and
-    packed contenders count alike without touching the Trainer (whose own token count would keep fasttrain's
-    packing off). The total stays on the device until ``total()``, read once per optimizer step."""
+    """Counts the real (non-pad) tokens every training forward receives (docs/method.md, "Runs and timing"),
+    without touching the Trainer (whose own token count would keep fasttrain's packing off). The total stays on
+    the device until ``total()``, read once per optimizer step."""
 
     def __init__(self, model, pad_token_id: int | None, grad_only: bool = False) -> None:
         self.pad_token_id = pad_token_id
@@ -149,10 +145,8 @@ def step_metrics(logs: dict[str, Any]) -> dict[str, float]:
 
 
 def train_flops_per_token(model, examples: list[list[int]]) -> float:
-    """FLOPs one trained token costs, forward + backward, from the shapes: 6 per parameter (2 forward, 4
-    backward; tied embeddings counted once: the lookup is free, the output head is a matmul) plus causal
-    attention: scores and weighted values, 4 x width x context per layer forward, 12 with backward, the context
-    averaging half the example's length, so 6 x layers x width x length per token, weighted by tokens."""
+    """FLOPs one trained token costs, forward + backward, from the shapes (docs/method.md, "The matmul
+    limit"); the mean context is weighted by tokens."""
     config = model.config
     heads = config.num_attention_heads
     width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
