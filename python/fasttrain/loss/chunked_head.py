@@ -271,11 +271,14 @@ def _chunk_grad_in_blocks(chunk_grad, logits, lo, hi, scratch, dtype) -> torch.T
     return logits if written else None
 
 
-def _exact_ratio(upstream: torch.Tensor, valid: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor | None:
-    """``upstream / predicted`` if every scored upstream is the same (+-) power of two times the prediction,
-    else None. Equal mantissas (``frexp``) mean an exact ratio +-2^k; scaling by it commutes with every rounding
-    of the gradient, so the forward's gradients scaled by it are those for the actual upstream with its scale
-    applied before any rounding (up to fp32 rounding, the same formula as a recompute's)."""
+def _exact_ratio(
+    upstream: torch.Tensor, valid: torch.Tensor, predicted: torch.Tensor
+) -> tuple[torch.Tensor, float] | None:
+    """``upstream / predicted`` (as a tensor and as a number) if every scored upstream is the same (+-) power of
+    two times the prediction, else None. Equal mantissas (``frexp``) mean an exact ratio +-2^k; scaling by it
+    commutes with every rounding of the gradient, so the forward's gradients scaled by it are those for the actual
+    upstream with its scale applied before any rounding (up to fp32 rounding, the same formula as a recompute's).
+    One host read for both answers: on a GPU each read drains the queue the backward has launched so far."""
     u = upstream.float()
     if u.numel() == 0:
         return None  # no chunk to recompute
@@ -284,9 +287,9 @@ def _exact_ratio(upstream: torch.Tensor, valid: torch.Tensor, predicted: torch.T
     predicted = predicted.to(u.device, torch.float32)
     same_mantissa = torch.frexp(top).mantissa.abs() == torch.frexp(predicted).mantissa.abs()
     ratio = top / predicted  # +-2^k exactly where the mantissas agree; NaN for inf / inf (recompute)
-    if not bool((top == bottom) & same_mantissa & torch.isfinite(ratio)):  # the host read (sync)
-        return None
-    return ratio
+    exact = (top == bottom) & same_mantissa & torch.isfinite(ratio)
+    is_exact, value = torch.stack([exact.float(), ratio]).tolist()  # the host read (sync)
+    return (ratio, value) if is_exact else None
 
 
 def _make_plan(hidden: torch.Tensor, chunk_rows: int, predicted: Any) -> _Plan:
@@ -316,10 +319,11 @@ def _gradients(
     second sweep that recomputes the logits."""
     like = (hidden, weight, bias)
     if basis is not None and upstream[0] is not None and all(g is None for g in upstream[1:]):
-        ratio = _exact_ratio(upstream[0], chunk_math.valid, plan.predicted)
-        if ratio is not None:
+        exact = _exact_ratio(upstream[0], chunk_math.valid, plan.predicted)
+        if exact is not None:
+            ratio, value = exact
             # a ratio of 1 (the usual case) scales nothing: no pass over the gradients
-            return basis.finish(None if float(ratio) == 1.0 else ratio, like)
+            return basis.finish(None if value == 1.0 else ratio, like)
     grads = _pass(
         hidden, weight, bias, plan, needs,
         lambda logits, lo, hi, scratch: chunk_math.backward_chunk(logits, lo, hi, upstream, scratch),
