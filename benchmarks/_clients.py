@@ -1,4 +1,4 @@
-"""What bench_clients.py runs inside a client's own environment (Axolotl's, LLaMA-Factory's), as a script, with
+"""What bench_clients.py runs inside a client's own environment (LLaMA-Factory's), as a script, with
 that environment's torch, transformers and datasets and nothing of fasttrain's; each command prints its answer
 as JSON (null for write-model, which only writes):
 
@@ -40,8 +40,8 @@ def write_model(directory: str, tokenizer_json: str, config_json: str, seed: str
 
 
 def token_counts(directory: str) -> list[dict]:
-    """Each row of the dataset the framework prepared under ``directory`` (Axolotl's dataset_prepared_path,
-    LLaMA-Factory's tokenized_path), in order: its tokens."""
+    """Each row of the dataset the framework prepared under ``directory`` (LLaMA-Factory's tokenized_path), in
+    order: its tokens."""
     import datasets
 
     found = sorted(p.parent for p in Path(directory).rglob("state.json"))

@@ -1,22 +1,6 @@
 """Benchmark: gradient clipping + AdamW step, FusedAdamW against clip_grad_norm_ + torch's fused AdamW, CPU or CUDA.
 
-The reference is what the Trainer does by default (``optim="adamw_torch_fused"``, ``max_grad_norm=1``):
-``torch.nn.utils.clip_grad_norm_`` (a norm pass, then a pass scaling every gradient) followed by
-``torch.optim.AdamW(fused=True).step()``. FusedAdamW: ``defer_clip_grad_norm_`` + ``step()``: the norm pass is the
-same, the scaling pass is gone (the coefficient reaches the step kernel; on CPU torch's fused kernel takes it as
-its ``grad_scale``, skipped when exactly 1). Gradients are scaled to each ``--grad-norms`` value: below max_norm 1
-nothing is clipped (the common case late in training), above it every gradient is.
-
-Contenders: on CPU, FusedAdamW as the Trainer gets it (backend auto: torch's fused kernel). Where Triton runs (CUDA,
-or TRITON_INTERPRET=1 on CPU: the kernels' code path at tiny sizes), each mode and backend: the default state
-(torch's memory) on the Triton kernel and on torch's (which is faster decides the default backend on CUDA), fp32
-moments (bf16 parameters), 8-bit moments on the kernel and in the multi-pass torch form, bf16 stochastic rounding;
-on CUDA also bitsandbytes' and torchao's 8-bit AdamW where they import. Each contender alternates with the
-reference on its own copy of the parameters (docs/method.md, "Runs and timing"), timed by ``provenance.timed``;
-medians. The step-only columns run without clipping: for the default on CPU both sides are the same torch
-kernel, their ratio is noise. Error: the copies' distance after the same steps over the reference's update.
-'% lim': the least time the copy bandwidth allows for the bytes a step moves over the measured time
-(``fasttrain.bench.roofline``).
+How it measures (the reference, the contenders, error, '% lim'): docs/method.md, "Clipping and the AdamW step".
 
     python benchmarks/bench_adamw.py [--reps 9]        # CPU: benchmarks/results/adamw_cpu.{json,md}
     python benchmarks/bench_adamw.py --device cuda --models gpt2-124M,llama3.2-1B --reps 7 --time-cap 23

@@ -1,15 +1,9 @@
-"""Axolotl's and LLaMA-Factory's own CLIs training SFT on CPU, plain and with fasttrain: tokens/s and peak RSS.
+"""LLaMA-Factory's own CLI training SFT on CPU, plain and with fasttrain: tokens/s and peak RSS.
 
-Each run is the framework's unmodified CLI in a fresh process tree, in its own environment (``bash
-.ci/env-axolotl``, ``bash .ci/env-llamafactory``: fasttrain's wheel beside its pinned packages); fasttrain goes in
-as a user puts it in (``fasttrain: true`` in Axolotl's YAML, ``FASTTRAIN_PATCH=1`` for LLaMA-Factory). Runs
-alternate plain / fasttrain; medians. Model and data are ``fasttrain bench``'s default: a Qwen3 of Qwen3-0.6B's
-shape at random init, fp32; alpaca rows cut from the standard library's sources at log-normal lengths (median
-180, 16..512), tokenized once by the framework; batch 2, lr 1e-3 linear, adamw_torch_fused, rows in order.
-Measured from outside the process, alike for both sides: each step's end as its log line arrives; peak RSS of the
-tree when the last step's line arrives (before saving) and of the whole run (``wait4``); per-step losses.
+LLaMA-Factory only; Axolotl is tested through its own CLI (tests marked client), not benchmarked. How it
+measures: docs/method.md, "LLaMA-Factory's CLI".
 
-    python benchmarks/bench_clients.py --client axolotl    # -> benchmarks/results/clients_cpu_axolotl.{json,md}
+    python benchmarks/bench_clients.py --client llamafactory --wait-load 0  # -> clients_cpu_llamafactory.*
     python benchmarks/bench_clients.py --client llamafactory --model tiny --repeats 1 --wait-load 0 --out /tmp/c
 """
 
@@ -55,43 +49,8 @@ CHAT_TEMPLATE = (
     "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 PROMPT_SHARE = 0.2  # of a row's own tokens, in the instruction; the rest is the output
-# Axolotl's console rounds the logged values and Axolotl writes no trainer_state.json without a checkpoint (which
-# would be saved inside the timed training): this plugin, loaded on both sides, writes it after training, so that
-# both frameworks leave the Trainer's log history in the same file.
-STATE_PLUGIN = """\
-import os
-from axolotl.integrations.base import BasePlugin
-
-
-class SaveState(BasePlugin):
-    def post_trainer_create(self, cfg, trainer):
-        self.trainer = trainer
-
-    def post_train(self, cfg, model):
-        self.trainer.state.save_to_json(os.path.join(cfg.output_dir, "trainer_state.json"))
-"""
-# LLaMA-Factory's names for the training settings both frameworks get under Axolotl's names
-RENAMED = {"micro_batch_size": "per_device_train_batch_size", "optimizer": "optim",
-           "lr_scheduler": "lr_scheduler_type"}  # fmt: skip
-CLIENTS = {  # the console script, how fasttrain goes in, what it wraps around a row, its collator, how it
-    # tokenizes the rows once (the verb, YAML settings): every run then loads those tokens
-    "axolotl": dict(
-        title="Axolotl's own CLI (`axolotl train`)", cli="axolotl",
-        how="`fasttrain: true` in the YAML (fasttrain's Axolotl plugin)",
-        template="Below is an instruction that describes a task. Write a response that appropriately completes "
-        "the request.\n\n### Instruction:\n\n\n### Response:\n" + IM_END,  # type alpaca, no input, the EOS
-        padding="Axolotl's collator pads each batch to a multiple of 64", prepare=("preprocess", {}),
-    ),
-    "llamafactory": dict(
-        title="LLaMA-Factory's own CLI (`llamafactory-cli train`)", cli="llamafactory-cli",
-        how="`FASTTRAIN_PATCH=1` in the environment",
-        template=f"{IM_START}user\n{IM_END}\n{IM_START}assistant\n<think>\n\n</think>\n\n{IM_END}\n",
-        padding="LLaMA-Factory's collator pads each batch to a multiple of 8",
-        # no preprocess command: `train` tokenizes first (saving at tokenized_path), then, with do_train false,
-        # only loads the model
-        prepare=("train", {"do_train": False}),
-    ),
-}  # fmt: skip
+# what LLaMA-Factory's qwen3 template wraps around a row
+TEMPLATE = f"{IM_START}user\n{IM_END}\n{IM_START}assistant\n<think>\n\n</think>\n\n{IM_END}\n"
 
 
 def env_bin(client: str) -> Path:
@@ -99,11 +58,11 @@ def env_bin(client: str) -> Path:
     return _common.ROOT / ".ci-envs" / client / "bin"
 
 
-def alpaca_rows(tok, client: str, lengths: list[int]) -> list[dict]:
+def alpaca_rows(tok, lengths: list[int]) -> list[dict]:
     """One alpaca row (instruction, output) per drawn length: the corpus read as one token stream, each row the
     next ``length - template`` tokens, decoded, its first fifth the instruction. Decoding and re-tokenizing moves
     a row's length by a token or two at the cut."""
-    overhead = len(tok.encode(CLIENTS[client]["template"]).ids)
+    overhead = len(tok.encode(TEMPLATE).ids)
     wanted = [max(length - overhead, 2) for length in lengths]
     stream: list[int] = []
     for text in _common.stdlib_sources():
@@ -120,16 +79,6 @@ def alpaca_rows(tok, client: str, lengths: list[int]) -> list[dict]:
 def config(client: str, work: Path, a, run_dir: Path, **extra) -> dict:
     """The framework's YAML (as JSON, which is YAML) for the run's model and rows, in prepared order; its output in
     run_dir/out."""
-    shared = {"micro_batch_size": a.batch_size, "max_steps": a.steps, "seed": a.seed, "learning_rate": 1e-3,
-              "optimizer": "adamw_torch_fused", "lr_scheduler": "linear", "gradient_accumulation_steps": 1,
-              "warmup_steps": 0, "max_grad_norm": 1.0, "logging_steps": 1, "bf16": False, "save_strategy": "no",
-              "output_dir": str(run_dir / "out")}  # fmt: skip
-    if client == "axolotl":
-        return {**shared, "base_model": str(work / "model"), "dataset_prepared_path": str(work / "prepared"),
-                "datasets": [{"path": str(work / "rows.jsonl"), "ds_type": "json", "type": "alpaca"}],
-                "shuffle_merged_datasets": False, "curriculum_sampling": True,  # step k trains rows 2k, 2k+1
-                "sequence_len": 1024, "sample_packing": False, "val_set_size": 0, "num_epochs": 1, "fp16": False,
-                "tf32": False, "plugins": ["_bench_state.SaveState"], **extra}  # fmt: skip
     (work / "data").mkdir(exist_ok=True)
     columns = {"prompt": "instruction", "query": "input", "response": "output"}
     info = {"bench_sft": {"file_name": str(work / "rows.jsonl"), "columns": columns}}
@@ -139,24 +88,23 @@ def config(client: str, work: Path, a, run_dir: Path, **extra) -> dict:
             "tokenized_path": str(work / "prepared"), "template": "qwen3", "cutoff_len": 1024,
             "disable_shuffling": True, "data_seed": a.seed, "use_cpu": True, "plot_loss": False,
             "report_to": "none", "dataloader_num_workers": 0, "disable_tqdm": True, "overwrite_output_dir": True,
-            **{RENAMED.get(k, k): v for k, v in shared.items()}, **extra}  # fmt: skip
+            "per_device_train_batch_size": a.batch_size, "max_steps": a.steps, "seed": a.seed, "learning_rate": 1e-3,
+            "optim": "adamw_torch_fused", "lr_scheduler_type": "linear", "gradient_accumulation_steps": 1,
+            "warmup_steps": 0, "max_grad_norm": 1.0, "logging_steps": 1, "bf16": False, "save_strategy": "no",
+            "output_dir": str(run_dir / "out"), **extra}  # fmt: skip
 
 
 def environment(client: str, run_dir: Path, side: str) -> dict[str, str]:
     """The CLI's environment: offline, its caches in the run's folder, stdout unbuffered (the step lines are
-    timed as they arrive), the environment's bin first on PATH (Axolotl re-launches itself through `accelerate
-    launch`), and fasttrain switched on only where ``side`` says so."""
+    timed as they arrive), the environment's bin first on PATH, and fasttrain switched on only where ``side`` says
+    so."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("FASTTRAIN_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}  # fmt: skip
     env.update(PATH=f"{env_bin(client)}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", HF_HOME=str(run_dir / "hf"), PYTHONUNBUFFERED="1",
-               TOKENIZERS_PARALLELISM="false", AXOLOTL_DO_NOT_TRACK="1", WANDB_MODE="disabled",
+               TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled",
                CUDA_VISIBLE_DEVICES="")  # LLaMA-Factory launches torchrun when it sees more than one device  # fmt: skip
-    if client == "axolotl":
-        (run_dir / "site").mkdir()
-        (run_dir / "site" / "_bench_state.py").write_text(STATE_PLUGIN)
-        env["PYTHONPATH"] = str(run_dir / "site")
-    elif side == "fasttrain":
+    if side == "fasttrain":
         env["FASTTRAIN_PATCH"] = "1"
     return env
 
@@ -193,7 +141,7 @@ def launch(client: str, run_dir: Path, cfg: dict, verb: str, side: str, steps: i
     run_dir.mkdir()
     (run_dir / "cfg.yaml").write_text(json.dumps(cfg))
     log_path = run_dir / "output.log"
-    start, command = time.perf_counter(), [str(env_bin(client) / CLIENTS[client]["cli"]), verb, "cfg.yaml"]
+    start, command = time.perf_counter(), [str(env_bin(client) / "llamafactory-cli"), verb, "cfg.yaml"]
     proc = subprocess.Popen(command, cwd=run_dir, env=environment(client, run_dir, side), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     timer = threading.Timer(RUN_TIMEOUT_S, os.killpg, (proc.pid, signal.SIGKILL))  # its session: its tree
@@ -225,7 +173,7 @@ def prepare(client: str, work: Path, a) -> list[dict]:
     rng = np.random.default_rng(a.seed)  # bench/data.py's draws
     drawn = rng.lognormal(np.log(LOGNORMAL_MEDIAN), LOGNORMAL_SIGMA, a.steps * a.batch_size)
     lengths = np.clip(np.rint(drawn), MIN_TOKENS, a.seq_len).astype(np.int64).tolist()
-    rows = alpaca_rows(tok, client, lengths)
+    rows = alpaca_rows(tok, lengths)
     (work / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     names = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
              "intermediate_size")  # fmt: skip
@@ -233,8 +181,10 @@ def prepare(client: str, work: Path, a) -> list[dict]:
              "max_position_embeddings": 40_960, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "bos_token_id": None,
              "eos_token": IM_END, "pad_token": PAD, "chat_template": CHAT_TEMPLATE}  # fmt: skip
     in_client(client, "write-model", str(work / "model"), str(tokenizer), json.dumps(qwen3), str(a.seed))
-    verb, extra = CLIENTS[client]["prepare"]
-    launch(client, work / "prepare", config(client, work, a, work / "prepare", **extra), verb, "plain", 0)
+    # the framework tokenizes the rows once, every run then loads those tokens. No preprocess command: `train`
+    # tokenizes first (saving at tokenized_path), then, with do_train false, only loads the model
+    prepared = config(client, work, a, work / "prepare", do_train=False)
+    launch(client, work / "prepare", prepared, "train", "plain", 0)
     counts = json.loads(in_client(client, "token-counts", str(work / "prepared")))
     return [{**count, "target": target} for count, target in zip(counts, lengths, strict=True)]
 
@@ -242,9 +192,8 @@ def prepare(client: str, work: Path, a) -> list[dict]:
 def train(client: str, work: Path, a, side: str, index: int) -> dict:
     run_dir = work / f"run{index}-{side}"
     out = run_dir / "out"
-    extra = {"fasttrain": True} if client == "axolotl" and side == "fasttrain" else {}
     load_before = os.getloadavg()[0]
-    record = launch(client, run_dir, config(client, work, a, run_dir, **extra), "train", side, a.steps)
+    record = launch(client, run_dir, config(client, work, a, run_dir), "train", side, a.steps)
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     for weights in (*out.glob("*.safetensors"), *out.glob("checkpoint-*")):  # 2.4 GB a run at Qwen3-0.6B's
         shutil.rmtree(weights) if weights.is_dir() else weights.unlink()
@@ -331,7 +280,7 @@ def wheel_vs_head(installed: Path) -> dict:
 
 def markdown(result: dict) -> list[str]:
     a, s, counts = result["settings"], result["summary"], result["token_counts"]
-    spec, (hidden, layers, heads, kv_heads, head_dim, mlp) = CLIENTS[a["client"]], SHAPES[a["model"]]
+    hidden, layers, heads, kv_heads, head_dim, mlp = SHAPES[a["model"]]
     layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 2 * head_dim + 2 * hidden + 3 * hidden * mlp
     params = QWEN3_VOCAB * hidden + hidden + layers * layer
     differ = ", ".join(result["fasttrain_wheel"]["installed_python_files_differing_from_head"])
@@ -341,7 +290,7 @@ def markdown(result: dict) -> list[str]:
     tokens = ", ".join(str(c["tokens"]) for c in counts)
     lines = [
         f"- versions in the {a['client']} environment: {versions}",
-        f"- fasttrain: the environment's wheel ({wheel}); it goes in by {spec['how']}",
+        f"- fasttrain: the environment's wheel ({wheel}); it goes in by `FASTTRAIN_PATCH=1` in the environment",
         f"- wall time {result['wall_s'] / 60:.1f} min; waited {result['waited_s']:.0f} s for a quiet machine "
         f"(`--wait-load {a['wait_load']}`); load average (1 min) after: "
         f"{result['load_after']:.2f}; each run's start -> end: {loads}",
@@ -349,7 +298,7 @@ def markdown(result: dict) -> list[str]:
         f"lengths for seed {a['seed']} (median 180, 16..{a['seq_len']}): targets "
         f"{', '.join(str(c['target']) for c in counts)}; as the framework tokenized them {tokens}",
         f"- {a['steps']} optimizer steps x batch {a['batch_size']}, rows in order; real tokens per step: "
-        f"{', '.join(map(str, s['tokens_per_step']))} ({spec['padding']})",
+        f"{', '.join(map(str, s['tokens_per_step']))} (LLaMA-Factory's collator pads each batch to a multiple of 8)",
         f"- {a['repeats']} repetition(s) per side, alternating (plain first), each a fresh CLI process tree; medians;"
         " ratios are fasttrain / plain",
         f"- model: {a['model']} shape: hidden {hidden:,}, {layers} layer(s), {heads} attention heads, {kv_heads} KV "
@@ -387,7 +336,7 @@ def markdown(result: dict) -> list[str]:
 
 def main() -> None:
     p = _common.parser(__doc__)
-    p.add_argument("--client", required=True, choices=sorted(CLIENTS))
+    p.add_argument("--client", required=True, choices=("llamafactory",))
     p.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES), help="tiny: to check the script")
     _common.int_options(p, steps=4, repeats=2, batch_size=2, seq_len=512, seed=0)
     p.add_argument("--wait-load", type=float, default=0.5, help="first wait for this load, no pytest; 0: no")
@@ -419,7 +368,7 @@ def main() -> None:
     result.update(wall_s=time.perf_counter() - start, load_after=os.getloadavg()[0], token_counts=counts,
                   summary=summarize(runs, tokens_per_step), runs=runs)  # fmt: skip
     stem = f"clients_cpu_{client}" + ("" if a.model == "qwen3-0.6b" else f"_{a.model}")
-    title = f"{CLIENTS[client]['title']}, SFT on CPU: plain vs with fasttrain"
+    title = "LLaMA-Factory's own CLI (`llamafactory-cli train`), SFT on CPU: plain vs with fasttrain"
     print(_common.write(a.out, stem, result, title, markdown(result)))
 
 

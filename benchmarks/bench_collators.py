@@ -1,10 +1,6 @@
 """fasttrain's Rust collators against transformers' and TRL's collators, side by side in one run.
 
-For each case both collators get the same batches (64 examples of random length 16-2048 by default), called
-alternately; medians over all calls; both outputs checked identical first. Inputs: "list" (Python lists),
-"numpy" (int64 arrays), "arrow" (rows of a `datasets.Dataset` in numpy format) and "torch" (int64 tensors).
-TRL's collators (when trl is installed) on Python lists, as its trainers hand them over: SFT's padded,
-padding-free and padding-free on packed rows, DPO's and KTO's (``max_length=1024``), on rows ``make_rows`` builds.
+How it measures (batches, inputs, TRL's collators): docs/method.md, "Collators".
 
 Usage:
     python benchmarks/bench_collators.py            # writes benchmarks/results/collators.{json,md}

@@ -6,10 +6,7 @@ Run in LLaMA-Factory's environment (bash .ci/env-llamafactory):
     .ci-envs/llamafactory/bin/python benchmarks/bench_collators_llamafactory.py --batch-sizes 2 8 --max-len 64 \
         --calls 3 --batches 2 --out /tmp   # smoke run
 
-The collator as LLaMA-Factory's SFT workflow builds it (qwen3 template, pad_to_multiple_of=8, right padding), on
-rows as its dataset hands them over; its twin (``fasttrain.integration.llamafactory.native_collator``) runs all of
-LLaMA-Factory's code and pads in Rust (the same batches, checked on the first). Batches of 2 to 64 rows of lengths
-in [16, --max-len]; calls alternate; medians; transformers' DataCollatorForSeq2Seq beside them for reference.
+How it measures: docs/method.md, "Collators".
 """
 
 from __future__ import annotations

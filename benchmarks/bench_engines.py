@@ -1,11 +1,6 @@
 """Distributed engines with and without fasttrain: DDP, DeepSpeed ZeRO-1/2/3 and FSDP2, 2 CPU processes (gloo).
 
-For each engine one ``torchrun`` launch trains a small Qwen3 through ``transformers.Trainer``, plain and under
-``fasttrain.patch()`` alternating in the same processes, same data and weights. Per engine: the median step time
-(first steps dropped) and its ratio, the largest relative per-step loss difference, how far rank 0's resident set
-rose above its start (``VmHWM`` reset before each run), and fasttrain's status line. Engines run as the tests drive
-them on CPU (tests/_deepspeed_worker.py, tests/_fsdp_trainer_worker.py); fasttrain's kernels run their PyTorch
-backends there: the ratios show the CPU paths, not the GPU kernels.
+How it measures (what runs, what each figure is): docs/method.md, "Distributed engines".
 
     python benchmarks/bench_engines.py                       # all engines; results under benchmarks/results/
     python benchmarks/bench_engines.py --engines ddp,fsdp2 --reps 1 --steps 4 --out /tmp   # smoke run

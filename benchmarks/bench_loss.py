@@ -1,35 +1,7 @@
 """Benchmark: chunked fused-linear cross-entropy and TRL's fused LM head vs materialised logits, CPU or CUDA.
 
-Cases (``--cases``), each implementation's loss + backward, the first implementation the reference:
-
-- ``loss``: ``--tokens`` x ``--hidden`` x vocab 151,936, every 5th label ignored. ``reference``: ``logits =
-  hidden @ weight.T`` then transformers' ``ForCausalLMLoss`` path (``.float()`` + cross-entropy);
-  ``fasttrain``: ``fasttrain.fused_linear_cross_entropy``; ``torch_linear_ce``: torch's
-  ``F.linear_cross_entropy`` (2.15+) on its default (materialising) path, ``torch_chunked_ce`` on its chunked
-  one (``LinearCrossEntropyOptions()``); on CUDA also ``torch_compile`` (the reference compiled), ``liger``
-  and ``cce`` (cut-cross-entropy) where they import.
-- ``model``: forward + backward of a Qwen3-shaped model (hidden 256, 2 layers, vocab 151,936) on 4 x tokens/4, the
-  unpatched transformers model against the same after ``fasttrain.loss.model_patch.enable_fused_loss``.
-- ``head``: Qwen3-0.6B's LM head (hidden 1,024) three ways: ``gemms`` (its three GEMMs alone, each into a fresh
-  output as in a step: the floor any head stands on), ``reference`` and ``fasttrain``.
-- ``trl_sft`` / ``trl_dpo``: TRL's fused LM-head contract (``model(..., fused_lm_head=True)``) on the scored tokens:
-  ``plain`` (materialised logits, ``log_softmax``), ``trl`` (TRL's ``ChunkedLogProbFunction``: chunked torch on
-  CPU, its Triton kernel on CUDA), ``fasttrain`` (``fused_token_log_probs`` as ``trl_support`` calls it), and for
-  SFT on CUDA ``liger`` (the loss alone). ``trl_sft``: SFTTrainer's outputs (log-probs, entropy, top-1), loss
-  ``-sum(log_probs) / n``; ``trl_dpo``: DPOTrainer's (plus mean logits), the sigmoid DPO loss over 8 sequences.
-- ``speculation``, ``trl_sft_speculation``, ``trl_lora_speculation``: what the chunked head's speculation saves
-  (``fasttrain.loss.chunked_head``: told the upstream gradient of every scored token, the forward computes the
-  gradients and the backward does not recompute the logits). ``fasttrain`` speculates, ``recompute`` is the same
-  loss with its backward recomputing: ``loss``'s mean against ``reduction="none"`` then ``sum() / n``;
-  ``trl_sft``'s loss with ``uniform_grad=True`` against ``False``, its head trainable or frozen (LoRA's).
-
-On CPU every run is a fresh process (one run's memory cannot hide another's); peak = the child's peak RSS
-minus its RSS after imports. On CUDA the runs share one process (a process start would dwarf the steps); peak
-= ``max_memory_allocated`` above what was allocated before the run's inputs. Implementations alternate (order
-reversed every other round); time = the median of the timed steps after a warm-up (``provenance.timed``), then
-the median over rounds. '% lim' (``fasttrain.bench.roofline``): the least time the hardware allows (6 N H V
-FLOPs for N scored tokens at the measured matmul rate, or the head's tensors and gradients at the copy rate)
-over the measured time. fp32 on CPU, bf16 on CUDA.
+Cases (``--cases``): loss, model, head, trl_sft, trl_dpo, speculation, trl_sft_speculation, trl_lora_speculation.
+How it measures (contenders, timing, memory, '% lim'): docs/method.md, "LM-head losses".
 
     python benchmarks/bench_loss.py                 # writes benchmarks/results/loss_cpu.{json,md}
     python benchmarks/bench_loss.py --rounds 1 --tokens 256   # quick look
@@ -231,7 +203,8 @@ def measure(case: str, impl: str, tokens: int, args) -> dict:
 
 
 def run(case: str, impl: str, tokens: int, args) -> dict:
-    """One run, in a fresh process on CPU; on CUDA in this one."""
+    """One run, in a fresh process on CPU (one run's peak RSS cannot hide another's); on CUDA in this one (a
+    process start would dwarf the steps)."""
     if args.device == "cuda":
         return measure(case, impl, tokens, args)
     settings = [f"--{k}={getattr(args, k)}" for k in ("steps", "hidden", "vocab", "device")]

@@ -1,11 +1,6 @@
 """Optimizer-state memory per rank, per engine and state_dtype (CPU processes, gloo).
 
-For each engine (DDP; FSDP2 full shard, hybrid shard on a 2 x 2 mesh, CPU offload; DeepSpeed ZeRO-1/2/3) and
-world size, one step of a small bf16 Qwen3 with torch's AdamW and FusedAdamW at ``state_dtype`` None (the
-parameter's dtype), ``"float32"`` and ``"8bit"``; then each rank counts the bytes of its ``optimizer.state`` (a
-DTensor's local shard; under DeepSpeed the states of ZeRO's fp32 partitions). Per rank: bytes per *stepped*
-parameter (what the layout costs) and per *1/world of the model* (what the sharding saves). The engines run
-directly (no Trainer); a cell that fails records its error and the others go on.
+How it measures: docs/method.md, "Optimizer-state memory".
 
     python benchmarks/bench_optimizer_memory.py                       # everything; results in benchmarks/results/
     python benchmarks/bench_optimizer_memory.py --worlds 2 --engines ddp,fsdp2 --out /tmp   # smoke run

@@ -1,11 +1,6 @@
 """Length-grouped sampler: transformers' path vs fasttrain's, side by side on one 1M-row datasets.Dataset.
 
-Reference and fasttrain alternate; medians; both sides checked to give the same lengths and order first.
-Start-up: the sampler built from a ``datasets.Dataset`` with a list column ``input_ids`` and no ``length`` column
-(the Trainer's ``group_by_length``): transformers runs ``len(example["input_ids"])`` over every row, fasttrain reads
-the Arrow offsets. One epoch of indices from the same lengths and seed: ``get_length_grouped_indices`` (a list) vs
-``length_grouped_indices`` (an int64 array), and the whole epoch as Python ints (``list(sampler)``). Writes
-sampler.{json,md}.
+Writes sampler.{json,md}. How it measures (start-up, one epoch): docs/method.md, "Length-grouped sampler".
 
     python benchmarks/bench_sampler.py            # 1M rows (about 2 minutes on 2 cores)
     python benchmarks/bench_sampler.py --rows 20000 --repeats 2 --out /tmp   # smoke run

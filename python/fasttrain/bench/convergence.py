@@ -1,8 +1,5 @@
 """The convergence benchmark (issue 33, part 4): does training with fasttrain's optimizer modes still reach
-the loss torch's AdamW reaches? A small Qwen3-shaped model (random init) learns the Python standard library's
-sources with each mode; its final eval loss (fp32, on documents after the trained ones) is held against the
-spread of torch fp32's over several seeds. ``bf16 without SR`` is the control that shows the check can fail:
-bf16 weights rounded to nearest lose updates smaller than half a bf16 ulp. The results: docs/measured.md.
+the loss torch's AdamW reaches? How it measures: docs/method.md, "Convergence"; the results: docs/measured.md.
 
     python -m fasttrain.bench.convergence --out benchmarks/results            # ~40 min on 2 shared cores
     python -m fasttrain.bench.convergence --preset tiny --steps 6 --batch-size 2 --seq-len 32 --out /tmp/cv
@@ -46,7 +43,7 @@ MODES: dict[str, dict[str, Any]] = {
     "fasttrain 8-bit": _mode(state_dtype="8bit"),
     "fasttrain bf16+SR+8-bit": _mode(dtype="bfloat16", **_SR_8BIT),
     "fasttrain bf16+SR+8-bit + step in backward": _mode(dtype="bfloat16", in_backward=True, **_SR_8BIT),
-    "bf16 without SR": _mode(dtype="bfloat16"),
+    "bf16 without SR": _mode(dtype="bfloat16"),  # the control: rounded to nearest, bf16 loses small updates
 }
 REFERENCE = "torch fp32"
 MAX_GRAD_NORM = 1.0

@@ -1,7 +1,5 @@
 """The model-size frontier: the largest real Qwen3 shape each optimizer setting fully fine-tunes in this
-machine's memory, and its bytes per parameter (the method: docs/usage.md, "The memory frontiers"). Shapes are
-tried smallest first; a contender stops at its first shape that does not fit. Bytes per parameter: the peak
-resident memory (the process's libraries, ~0.6 GiB, included) over the shape's parameters.
+machine's memory, and its bytes per parameter (the method: docs/usage.md, "The memory frontiers").
 
     python -m fasttrain.bench.model_frontier --out benchmarks/results   # 0.6b, 1.7b, 4b: ~40 min on 2 cores
     python -m fasttrain.bench.model_frontier --shapes tiny,qwen3-cpu --seq-len 64 --out /tmp/mf   # a minute

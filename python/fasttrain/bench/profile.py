@@ -1,19 +1,6 @@
-"""``fasttrain bench --profile``: where one optimizer step's time goes, for each contender.
-
-One extra run per contender (after the timed runs, never mixed into their figures) trains the warm-up steps and
-then one more step under ``torch.profiler``. Every operator's self time on the training thread goes to exactly one
-category, the first that matches:
-
-- optimizer: inside ``Optimizer.step`` / ``Optimizer.zero_grad`` (torch records them), or a ``_foreach_`` op
-  (the gradient-norm and clip passes);
-- attention: inside a scaled-dot-product-attention op;
-- LM head: an op with an operand whose last or first dimension is the vocabulary (the head's projection, its
-  gradients, the softmax and loss over the logits; for fasttrain, every chunk of its fused head);
-- matmuls: the other GEMMs (``mm``, ``addmm``, ``bmm``, ...): the backbone's projections;
-- elementwise and other ops: everything else (RMSNorm, RoPE, SwiGLU, casts, copies, the embedding).
-
-What no operator holds is "outside operators" (Python, the Trainer, the data loader). The kernel's share
-(``getrusage``: system CPU-seconds and minor page faults of the whole process) overlaps the categories.
+"""``fasttrain bench --profile``: where one optimizer step's time goes, for each contender: one extra run per
+contender profiles a step under ``torch.profiler``. The categories and how each is recognised: docs/method.md,
+"--profile".
 """
 
 from __future__ import annotations
@@ -41,7 +28,7 @@ def _has_vocab(shapes: Any, vocab: int) -> bool:
 
 
 def category(event, vocab: int) -> str:
-    """The category one profiler event's self time goes to (see the module's docstring)."""
+    """The category one profiler event's self time goes to (docs/method.md, "--profile")."""
     name, parent = event.name, event.cpu_parent
     chain = [name]  # the event's name and its ancestors'
     while parent is not None:

@@ -1,17 +1,6 @@
 """``fasttrain bench --trainer grpo|rloo``: what a GRPOTrainer or RLOOTrainer run adds to ``trl_runs``' (which
-builds every TRL trainer alike, here from one text ``prompt`` per example; rewards: ``bench/rewards.py``).
-
-TRL's defaults stay (loss type, ``beta``: 0 for GRPO, 0.05 for RLOO; temperature 1, no top-k/top-p; gradient
-checkpointing on) but for the sizes: a step trains on ``batch_size x grad_accum / num_generations`` prompts
-(``--batch-size`` counts completions, as in TRL), all generated at the step's start.
-
-- Completions, ``--completions sampled`` (the default): TRL's ``model.generate``, sampling seeded by ``--seed``
-  (both sides alike). A built-in model at random initialisation would never stop before the limit (its one
-  end-of-text id has a chance of about 1 in 151,936 per token), so the bench gives it ``STOP_IDS`` more ids that end
-  a completion (``generation_config.eos_token_id``, which TRL reads for both generation and masking): a completion
-  then ends with a chance of about ``(STOP_IDS + 1) / 151,936`` per token, so lengths are roughly geometric, median
-  about 175 tokens, about 1 in 8 reaching a 512-token limit. A checkpoint keeps its own end-of-text ids.
-- ``--completions synthetic``: ``model.generate`` replaced on the instance (``synthetic_generate``).
+builds every TRL trainer alike, here from one text ``prompt`` per example; rewards: ``bench/rewards.py``). TRL's
+defaults, the sizes and the completions (sampled or ``synthetic_generate``): docs/method.md, "TRL's trainers".
 """
 
 from __future__ import annotations
@@ -21,7 +10,9 @@ import os
 from .config import BenchConfig
 
 SYNTHETIC = "synthetic"
-STOP_IDS = 600  # extra ids that end a built-in model's completion (see the module's docstring)
+# extra ids that end a built-in model's completion: its one end-of-text id alone (a chance of about 1 in 151,936 a
+# token at random init) would never end one before the limit (docs/method.md, "TRL's trainers")
+STOP_IDS = 600
 
 
 def stop_ids(model, tokenizer) -> list[int]:
