@@ -32,8 +32,10 @@ from fasttrain.bench import provenance, roofline
 
 VOCAB = 151_936
 HEAD_WIDTH = 1024  # Qwen3-0.6B's hidden size
-# Triton-on-CUDA libraries; torch.compile's compilation would dwarf a CPU step
-CUDA_ONLY = ("torch_compile", "liger", "cce")
+# Triton-on-CUDA libraries; torch.compile's compilation would dwarf a CPU step. fasttrain_wide: fasttrain with
+# chunks of ~hidden rows, against the default's memory-sized ones (on the first H200 run the default's chunks
+# re-read the fp32 weight-gradient buffer 32 times: docs/measured.md)
+CUDA_ONLY = ("fasttrain_wide", "torch_compile", "liger", "cce")
 IMPLS = {
     "loss": ("reference", "fasttrain", "torch_linear_ce", "torch_chunked_ce", *CUDA_ONLY),
     "model": ("reference", "fasttrain"),
@@ -67,6 +69,12 @@ def _loss_fn(impl: str):
         if impl == "recompute":  # the same mean from per-token losses: the backward recomputes the logits
             return lambda h, w, y: fused_linear_cross_entropy(h, w, y, reduction="none", backend=BACKEND).sum() / (y != -100).sum()  # fmt: skip
         return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend=BACKEND)
+    if impl == "fasttrain_wide":
+        from fasttrain import fused_linear_cross_entropy
+
+        return lambda h, w, y: fused_linear_cross_entropy(
+            h, w, y, chunk_rows=1 << (h.shape[-1].bit_length() - 1)
+        )
     if impl in ("torch_linear_ce", "torch_chunked_ce"):
         options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
         if options is None:  # a torch without F.linear_cross_entropy and its options (2.15 has both)
