@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+import weakref
 
 import pytest
 import torch
@@ -375,3 +376,203 @@ def test_launch_covers_all_tensors_of_a_group(monkeypatch):
     assert sorted(calls) == sorted(
         [("adamw_step", 2), ("adamw8bit_step", 1), ("adamw8bit_step", 2), ("adamw_step", 1)]
     )
+
+
+# -- step plans (optim/_plan.py): a kept plan must step as a freshly built optimizer does, bit for bit --------------
+
+PLAN_SHAPES = [(300,), (17, 33), (5000,), (64,)]  # 5000 spans three programs at the lowered chunk
+PLAN_CONFIGS = {
+    "fp32": {"dtype": torch.float32, "kwargs": {}},
+    "bf16-sr-8bit": {
+        "dtype": torch.bfloat16,
+        "kwargs": {
+            "state_dtype": "8bit",
+            "min_8bit_size": MIN_8BIT,
+            "bf16_stochastic_rounding": True,
+            "sr_seed": 7,
+        },
+    },
+}
+
+
+def _plan_grad(p, step, j, scale=1.0):
+    gen = torch.Generator().manual_seed(1000 * step + j)
+    return (scale * torch.randn(p.shape, generator=gen)).to(dtype=p.dtype, device=p.device)
+
+
+def _plan_params(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype=dtype, device=DEVICE)) for s in PLAN_SHAPES
+    ]
+
+
+def _grad_none(opt, ps, step, memo):
+    if step == 2:
+        ps[2].grad = None  # a frozen or unused parameter: skipped this step, stepped again at the next
+    if step == 3:
+        ps[3].grad = None  # as many gradients in its group as at step 2, of another parameter
+
+
+def _grad_replaced(opt, ps, step, memo):
+    if (
+        step == 2
+    ):  # a new gradient tensor at a new address; the old one kept alive (a stale table would read it)
+        memo["old"] = ps[2].grad
+        ps[2].grad = _plan_grad(ps[2], step, 99)
+
+
+def _new_grads_every_step(opt, ps, step, memo):
+    # HF's zero_grad(set_to_none=True): every gradient a new tensor each step (the old ones kept alive here)
+    memo.setdefault("old", []).extend(p.grad for p in ps if p.grad is not None)
+    for j, p in enumerate(ps):
+        p.grad = _plan_grad(p, step, 50 + j)
+
+
+def _hyperparameters_changed(opt, ps, step, memo):
+    if step == 1:
+        opt.param_groups[0]["lr"] *= 0.5  # a scheduler
+    if step == 2:
+        opt.param_groups[1].update(weight_decay=0.3, betas=(0.8, 0.9), eps=1e-6, maximize=True)
+
+
+def _amsgrad_switched_on(opt, ps, step, memo):
+    if step == 2:
+        opt.param_groups[1]["amsgrad"] = True  # a new moment to create, another table
+
+
+def _rounding_switched(opt, ps, step, memo):
+    if step == 2:  # the salts and seed of the launch, and the offsets of the tables, change with it
+        group = opt.param_groups[0]
+        group["bf16_stochastic_rounding"] = not group["bf16_stochastic_rounding"]
+
+
+def _group_added(opt, ps, step, memo):
+    if step == 2:
+        extra = _plan_params(ps[0].dtype, seed=1)[:2]
+        for j, p in enumerate(extra):
+            p.grad = _plan_grad(p, step, 70 + j)
+        memo["extra"] = extra
+        opt.add_param_group({"params": extra, "lr": 3e-3})
+    elif "extra" in memo:
+        for j, p in enumerate(memo["extra"]):
+            p.grad = _plan_grad(p, step, 70 + j)
+
+
+def _state_dict_loaded(opt, ps, step, memo):
+    if step == 1:
+        memo["saved"] = copy.deepcopy(opt.state_dict())
+    if step == 3:
+        opt.load_state_dict(memo["saved"])  # back to the state after step 0
+
+
+def _param_storage_moved(opt, ps, step, memo):
+    if step == 2:  # p.data = ...: the same Parameter at a new address (the old storage kept alive)
+        memo["old"] = ps[0].data
+        ps[0].data = memo["old"].clone()
+
+
+def _state_replaced_by_hand(opt, ps, step, memo):
+    if step == 2:
+        state = opt.state[ps[1]]
+        for key in [k for k in state if k != "step"]:
+            state[key] = state[key].clone()
+
+
+def _groups_shown_one_at_a_time(opt, ps, step, memo):
+    # DeepSpeed ZeRO-1/2 steps one group at a time through a one-group param_groups: salts restart at 0
+    if step == 2:
+        memo["groups"] = opt.param_groups
+        opt.param_groups = [memo["groups"][1]]
+    if step == 3:
+        opt.param_groups = memo["groups"]
+
+
+PLAN_SCENARIOS = {
+    "grad_set_to_none": _grad_none,
+    "grad_replaced": _grad_replaced,
+    "new_grads_every_step": _new_grads_every_step,
+    "hyperparameters_changed": _hyperparameters_changed,
+    "amsgrad_switched_on": _amsgrad_switched_on,
+    "stochastic_rounding_switched": _rounding_switched,
+    "param_group_added": _group_added,
+    "state_dict_loaded": _state_dict_loaded,
+    "param_storage_moved": _param_storage_moved,
+    "state_replaced_by_hand": _state_replaced_by_hand,
+    "groups_shown_one_at_a_time": _groups_shown_one_at_a_time,
+}
+
+
+def _fresh_step(ref: FusedAdamW, backend: str, clip: bool) -> None:
+    """Step ``ref``'s parameters and state through an optimizer built for this step only: nothing is kept from
+    an earlier step but the state."""
+    fresh = FusedAdamW([dict(g) for g in ref.param_groups], backend=backend)
+    fresh.state = ref.state
+    if clip:
+        fresh.defer_clip_grad_norm_(CLIP)
+    fresh.step()
+
+
+@pytest.mark.parametrize("config", list(PLAN_CONFIGS))
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("scenario", list(PLAN_SCENARIOS))
+def test_kept_plan_steps_as_a_fresh_optimizer(scenario, backend, config):
+    dtype, kwargs = PLAN_CONFIGS[config]["dtype"], PLAN_CONFIGS[config]["kwargs"]
+    mutate = PLAN_SCENARIOS[scenario]
+    sides = {}
+    for side in ("kept", "fresh"):
+        ps = _plan_params(dtype)
+        groups = [{"params": ps[:2]}, {"params": ps[2:], "lr": 2e-2}]
+        sides[side] = (FusedAdamW(groups, lr=1e-2, weight_decay=0.1, backend=backend, **kwargs), ps, {})
+    for step in range(5):
+        for opt, ps, memo in sides.values():
+            for j, p in enumerate(
+                ps
+            ):  # in place where a gradient exists: addresses stay, as DDP's buckets keep them
+                g = _plan_grad(p, step, j)
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.copy_(g)
+            mutate(opt, ps, step, memo)
+        kept = sides["kept"][0]
+        kept.defer_clip_grad_norm_(CLIP)
+        kept.step()
+        _fresh_step(sides["fresh"][0], backend, clip=True)
+        (kept_opt, kept_ps, _), (ref_opt, ref_ps, _) = sides["kept"], sides["fresh"]
+        for i, (p, q) in enumerate(zip(kept_ps, ref_ps, strict=True)):
+            assert torch.equal(p, q), f"{scenario}: parameter {i} after step {step}"
+            sp, sq = kept_opt.state.get(p, {}), ref_opt.state.get(q, {})
+            assert sp.keys() == sq.keys(), f"{scenario}: state keys of parameter {i} after step {step}"
+            for key in sp:
+                assert torch.equal(sp[key], sq[key]), f"{scenario}: {key} of parameter {i} after step {step}"
+    assert kept_opt._plans, "the plan was not kept: this test would not test it"
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_plan_kept_across_steps_and_holds_no_gradient(backend, monkeypatch):
+    from fasttrain.optim import _state
+
+    inits = []
+    real_init = _state.init
+    monkeypatch.setattr(_state, "init", lambda *a, **k: inits.append(1) or real_init(*a, **k))
+    ps = _plan_params(torch.float32)
+    opt = FusedAdamW(two_groups(ps), backend=backend)
+    for j, p in enumerate(ps):
+        p.grad = _plan_grad(p, 0, j)
+    opt.step()
+    assert len(inits) == len(ps)
+    for step in (1, 2):
+        for j, p in enumerate(ps):
+            p.grad = _plan_grad(p, step, j)  # new gradient tensors (zero_grad(set_to_none=True)): plan kept
+        opt.defer_clip_grad_norm_(CLIP)
+        opt.step()
+    assert len(inits) == len(ps), "a kept plan decides nothing per parameter"
+    ps[0].grad = None
+    opt.step()
+    assert len(inits) > len(ps), "a gradient that disappeared must make the group decided again"
+    grad = ps[1].grad
+    gone = weakref.ref(grad)
+    del grad
+    opt.zero_grad(set_to_none=True)
+    assert gone() is None, "a plan must not keep a gradient alive (set_to_none frees it)"

@@ -28,6 +28,7 @@ device (no host sync). Offsets are 64-bit (a 7B model has single tensors of 500M
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -501,6 +502,30 @@ class TensorTable:
         # 16 bytes = one vectorized access; the allocator aligns to far more, but views need not be
         self.aligned = all(a % 16 == 0 for row in addrs for a in row if a != 0)
         self._host = host  # keep the pinned source alive until the copy has run
+        # for with_row: the address rows on the host and whether each row is 16-byte aligned
+        self._addrs_host = host[: n_rows * n_tensors]
+        self._row_aligned = [all(a % 16 == 0 for a in row if a != 0) for row in addrs]
+
+    def with_row(self, row: int, addrs: Sequence[int]) -> TensorTable:
+        """This table with the addresses of row ``row`` replaced (``addrs``: one per tensor, 0 for none), its work
+        table shared. The optimizer's gradient row moves every step where gradients are reallocated (HF's
+        ``zero_grad(set_to_none=True)``): this copies the address rows (a few KB) to the device, not the work table,
+        and leaves the tables already launched untouched (a kernel in flight may still read them)."""
+        n = self.n_tensors
+        if len(addrs) != n:
+            raise ValueError(f"row {row}: {len(addrs)} addresses for a table of {n} tensors")
+        host = self._addrs_host.clone()
+        host[row * n : (row + 1) * n] = torch.tensor(addrs, dtype=torch.int64)
+        row_aligned = list(self._row_aligned)
+        row_aligned[row] = not any(map((15).__and__, addrs))  # 0 (no tensor) is aligned
+        device = self.addrs.device
+        source = host.pin_memory() if device.type != "cpu" else host
+        new = copy.copy(self)
+        new.addrs = source.to(device, non_blocking=True)
+        new.aligned = all(row_aligned)
+        new._host = (self._host, source)  # both pinned sources stay alive until their copies have run
+        new._addrs_host, new._row_aligned = host, row_aligned
+        return new
 
 
 @dataclass

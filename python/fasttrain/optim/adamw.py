@@ -42,7 +42,9 @@ relate to the shards; 1-D parameters keep fp32 moments there, ``_state``).
 
 Nothing about the parameters is cached at construction: state is created lazily in ``step()`` and the launch
 tables are keyed on the tensors' addresses, because FSDP2 swaps parameters for DTensor shards after the
-optimizer exists and Accelerate round-trips ``state_dict`` when it prepares it.
+optimizer exists and Accelerate round-trips ``state_dict`` when it prepares it. What ``step()`` decides per
+parameter is kept from one step to the next in a plan per group (``_plan``), checked at every step against what
+it was decided from: the same kernels run with the same arguments, without the Python work per parameter.
 """
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ import torch
 
 from .._backend import check_backend, resolve_backend
 from .._logging import log_once
-from . import _state, _torch_step, blockwise8
+from . import _plan, _state, _torch_step, blockwise8
 from . import clip as _clip
-from ._tensors import global_offset, group_by, local
+from ._tensors import global_offset, group_by, is_dtensor, local
 
 # our group keys: the constructor's values win over a loaded state dict's (state_dtype and min_8bit_size must agree)
 _OWN_KEYS = ("backend", "state_dtype", "min_8bit_size", "bf16_stochastic_rounding", "sr_seed")
@@ -184,12 +186,20 @@ class FusedAdamW(torch.optim.Optimizer):
         self.deferred_clips_applied = 0  # steps that applied a clip armed with a finite max_norm
         self._clip_finite = False  # whether the armed coefficient came from a finite max_norm
         self._tables: dict[Any, Any] = {}  # launch tables keyed on the tensors' addresses
+        self._drop_plans()
+
+    def _drop_plans(self) -> None:
+        # what step() decided per parameter, per group (keyed on id(group), the plan holds the group) and for the
+        # clip: dropped wherever groups or state are replaced wholesale; finer changes fail the plan's own check
+        self.__dict__["_plans"] = {}
+        self.__dict__["_clip_plan"] = None
 
     # -- groups and state ------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         _check_hyperparameters(self.param_groups[-1], f"FusedAdamW param group {len(self.param_groups) - 1}")
+        self._drop_plans()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -200,6 +210,7 @@ class FusedAdamW(torch.optim.Optimizer):
         self.__dict__.setdefault("_clip_finite", False)
         self.__dict__.setdefault("deferred_clips_applied", 0)
         self.__dict__.setdefault("_tables", {})
+        self._drop_plans()
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict, its groups keyed as ``torch.optim.AdamW``'s, plus ``state_dtype`` for 8-bit moments.
@@ -264,6 +275,7 @@ class FusedAdamW(torch.optim.Optimizer):
             if saved:
                 _state.restore(self.state[param], saved, param, _state.layout(groups[id(param)], param))
         self._tables.clear()
+        self._drop_plans()  # restore() replaced state tensors after torch's load (which called __setstate__)
 
     # -- backend choice -----------------------------------------------------------------------------
 
@@ -323,6 +335,37 @@ class FusedAdamW(torch.optim.Optimizer):
             return _kernels().per_tensor_norms(table, grads[0].dtype, norm_type).to(grads[0].dtype)
         return _clip.torch_per_tensor_norms(grads, norm_type)
 
+    def _clip_buckets(self, grads: list[torch.Tensor]) -> list[_plan.Bucket]:
+        """``clip.total_norm``'s buckets of plain gradients, with ``_per_tensor_norms``' backend decision."""
+        buckets = []
+        index = {}
+        for i, g in enumerate(grads):
+            index.setdefault((g.device, g.dtype), []).append(i)
+        for (device, dtype), idx in index.items():
+            bucket = [grads[i] for i in idx]
+            backend = self._backend_for(self.param_groups[0], device)
+            triton = backend == "triton" and self._triton_ok(bucket)
+            buckets.append(_plan.Bucket(triton, device, dtype, dtype, None, idx, [], [], None, grad_row=0))
+        return buckets
+
+    def _planned_norm(
+        self, plan: _plan.ClipPlan, grads: list[torch.Tensor], norm_type: float
+    ) -> torch.Tensor:
+        """``clip.total_norm`` of plain ``grads`` through ``plan``'s buckets: the same ops in the same order."""
+        first_device = grads[0].device
+        norms = []
+        for b in plan.buckets:
+            bucket = [grads[i] for i in b.index]
+            if b.triton and norm_type in (2.0, math.inf):
+                if b.table is None:  # built at its first use: a norm_type the kernel lacks needs none
+                    b.table = self._table("norm", [bucket], b.device)
+                    b.grad_ptrs = tuple(g.data_ptr() for g in bucket)
+                per_tensor = _kernels().per_tensor_norms(b.table, b.g_dtype, norm_type).to(b.g_dtype)
+            else:
+                per_tensor = _clip.torch_per_tensor_norms(bucket, norm_type)
+            norms.append(per_tensor.to(first_device))
+        return _clip.combine(norms, norm_type)
+
     @torch.no_grad()
     def defer_clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The total norm of all gradients (as ``torch.nn.utils.clip_grad_norm_`` returns it); the clip itself is
@@ -338,8 +381,18 @@ class FusedAdamW(torch.optim.Optimizer):
         skips the step. Returns a 0-d tensor on the gradients' device, in their dtype (as torch does).
         """
         norm_type = float(norm_type)
-        grads = self._grads()
-        total = _clip.total_norm(grads, norm_type, self._per_tensor_norms)
+        plan = self._clip_plan
+        grads = None if plan is None else plan.live_grads(self.param_groups)
+        if grads is None:
+            grads = self._grads()
+            plan = None
+            if grads and not any(map(is_dtensor, grads)):
+                plan = _plan.ClipPlan.make(self.param_groups, grads, self._clip_buckets(grads))
+            self._clip_plan = plan
+        if plan is None:
+            total = _clip.total_norm(grads, norm_type, self._per_tensor_norms)
+        else:
+            total = self._planned_norm(plan, grads, norm_type)
         if not grads:
             self._clip_coef = None
             return total
@@ -370,30 +423,86 @@ class FusedAdamW(torch.optim.Optimizer):
         clip_coef, self._clip_coef = self._clip_coef, None
         if clip_coef is not None and self._clip_finite:
             self.deferred_clips_applied += 1
+        scalars = (clip_coef, grad_scale, found_inf)
         salt_base = 0
         for gi, group in enumerate(self.param_groups):
-            where = f"FusedAdamW param group {gi}"
-            entries = []  # (param, salt, layout, uses triton)
-            for j, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                self._check_dense(p, gi, j)
-                lay = _state.init(self.state[p], group, p, f"{where}, parameter {j}")
-                entries.append((p, salt_base + j, lay, self._uses_triton(group, p, lay)))
+            plan = self._plans.get(id(group))
+            live = None if plan is None else plan.live_grads(group, salt_base, self.state)
+            if live is None:
+                plan, live = self._plan_group(gi, group, salt_base)
             salt_base += len(group["params"])
-            if not entries:
-                continue
-            scalars = (clip_coef, grad_scale, found_inf)
-            for (device, p_dtype, g_dtype, lay), bucket in group_by(
-                [e for e in entries if e[3]],
-                lambda e: (local(e[0]).device, local(e[0]).dtype, local(e[0].grad).dtype, e[2]),
-            ).items():
-                self._triton_step(group, bucket, device, p_dtype, g_dtype, lay, *scalars)
-            for (device, _dtype, lay), bucket in group_by(
-                [e for e in entries if not e[3]], lambda e: (local(e[0]).device, local(e[0]).dtype, e[2])
-            ).items():
-                self._torch_step(group, bucket, device, lay, *scalars)
+            for bucket in plan.buckets:
+                if bucket.triton:
+                    self._launch_triton(group, bucket, *scalars)
+                else:
+                    self._launch_torch(group, bucket, [live[i] for i in bucket.index], *scalars)
         return loss
+
+    def _plan_group(
+        self, gi: int, group: dict[str, Any], salt_base: int
+    ) -> tuple[_plan.GroupPlan | _plan.Unplanned, list[torch.Tensor]]:
+        """Decide a group's step (state created where missing, layouts, backends, buckets, tables); kept as its plan
+        when the plan's check can see every change (module ``_plan``). Returns the plan and the stepped
+        parameters' local gradients."""
+        where = f"FusedAdamW param group {gi}"
+        entries = []  # (param, salt, layout, uses triton)
+        for j, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            self._check_dense(p, gi, j)
+            lay = _state.init(self.state[p], group, p, f"{where}, parameter {j}")
+            entries.append((p, salt_base + j, lay, self._uses_triton(group, p, lay)))
+        position = {id(e[0]): i for i, e in enumerate(entries)}
+        buckets = []
+        for (device, p_dtype, g_dtype, lay), bucket in group_by(
+            [e for e in entries if e[3]],
+            lambda e: (local(e[0]).device, local(e[0]).dtype, local(e[0].grad).dtype, e[2]),
+        ).items():
+            buckets.append(self._bucket(group, bucket, position, True, device, p_dtype, g_dtype, lay))
+        for (device, p_dtype, lay), bucket in group_by(
+            [e for e in entries if not e[3]], lambda e: (local(e[0]).device, local(e[0]).dtype, e[2])
+        ).items():
+            buckets.append(self._bucket(group, bucket, position, False, device, p_dtype, None, lay))
+        stepped = [e[0] for e in entries]
+        live = [local(p.grad) for p in stepped]
+        plan = None
+        if not any(is_dtensor(p) or is_dtensor(p.grad) for p in stepped):
+            states = [self.state[p] for p in stepped]
+            plan = _plan.GroupPlan.make(group, salt_base, stepped, states, live, buckets)
+        if plan is None:  # decided again at the next step
+            self._plans.pop(id(group), None)
+            return _plan.Unplanned(buckets), live
+        # groups come and go (DeepSpeed shows ZeRO's one at a time, ZeRO-3 refills them): keep the plans bounded
+        if len(self._plans) >= 64:
+            self._plans.clear()
+        self._plans[id(group)] = plan
+        return plan, live
+
+    def _bucket(self, group, entries, position, triton, device, p_dtype, g_dtype, lay) -> _plan.Bucket:
+        """One launch's lists (and launch table), from ``entries`` (param, salt, layout, uses triton)."""
+        params = [e[0] for e in entries]
+        states = [self.state[p] for p in params]
+        steps = [s["step"] for s in states]
+        salts = [e[1] for e in entries]
+        sr_seed = self._sr_seed(group, p_dtype)
+        index = [position[id(p)] for p in params]
+        bucket = _plan.Bucket(triton, device, p_dtype, g_dtype, lay, index, steps, salts, sr_seed)
+        if triton:
+            moments = lay.tensor_names(group["amsgrad"])
+            rows = [[local(p) for p in params], [local(p.grad) for p in params]]
+            rows += [[local(s[n]) if n in moments else None for s in states] for n in lay.kernel_slots]
+            rows.append(steps)
+            bucket.offsets = None if sr_seed is None else [self._sr_offset(p) for p in params]
+            bucket.table = self._table(lay.table_kind, rows, device, salts=salts, offsets=bucket.offsets)
+            bucket.grad_ptrs = tuple(g.data_ptr() for g in rows[1])
+        else:
+            bucket.params = [local(p) for p in params]
+            # shallow copies holding local tensors: _torch_step reads and writes the tensors, never the dicts
+            bucket.states = [
+                {k: local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()} for s in states
+            ]
+            bucket.offsets = [0] * len(params) if sr_seed is None else [self._sr_offset(p) for p in params]
+        return bucket
 
     def _uses_triton(self, group: dict[str, Any], p: torch.Tensor, lay: Any) -> bool:
         g = local(p.grad)
@@ -451,22 +560,13 @@ class FusedAdamW(torch.optim.Optimizer):
     def _triton_step(
         self, group, entries, device, p_dtype, g_dtype, lay, clip_coef, grad_scale, found_inf
     ) -> None:
-        amsgrad = group["amsgrad"]
-        params = [e[0] for e in entries]
-        states = [self.state[p] for p in params]
-        steps = [s["step"] for s in states]
-        moments = lay.tensor_names(amsgrad)
-        rows = [[local(p) for p in params], [local(p.grad) for p in params]]
-        rows += [[local(s[n]) if n in moments else None for s in states] for n in lay.kernel_slots]
-        rows.append(steps)
-        sr_seed = self._sr_seed(group, p_dtype)
-        table = self._table(
-            lay.table_kind,
-            rows,
-            device,
-            salts=[e[1] for e in entries],
-            offsets=None if sr_seed is None else [self._sr_offset(p) for p in params],
-        )
+        """One Triton launch over ``entries`` (param, salt, layout, True), decided now (``step_in_backward``)."""
+        position = {id(e[0]): i for i, e in enumerate(entries)}
+        bucket = self._bucket(group, entries, position, True, device, p_dtype, g_dtype, lay)
+        self._launch_triton(group, bucket, clip_coef, grad_scale, found_inf)
+
+    def _launch_triton(self, group, bucket: _plan.Bucket, clip_coef, grad_scale, found_inf) -> None:
+        device, steps = bucket.device, bucket.steps
         found_inf = self._device_scalar(found_inf, device)
         lr = group["lr"]
         args = _kernels().StepArgs(
@@ -477,13 +577,13 @@ class FusedAdamW(torch.optim.Optimizer):
             clip_coef=self._device_scalar(clip_coef, device),
             grad_scale=self._device_scalar(grad_scale, device),
             found_inf=found_inf,
-            amsgrad=amsgrad,
+            amsgrad=group["amsgrad"],
             maximize=group["maximize"],
-            sr_seed=sr_seed,
+            sr_seed=bucket.sr_seed,
         )
         # as torch's fused AdamW: count the step first, take it back if the scaler found an inf
         torch._foreach_add_(steps, 1.0)
-        lay.triton_step(table, p_dtype, g_dtype, device, args)
+        bucket.lay.triton_step(bucket.table, bucket.p_dtype, bucket.g_dtype, device, args)
         if found_inf is not None:
             torch._foreach_sub_(steps, [found_inf] * len(steps))
 
@@ -498,25 +598,30 @@ class FusedAdamW(torch.optim.Optimizer):
         return inv if scale is None else scale * inv
 
     def _torch_step(self, group, entries, device, lay, clip_coef, grad_scale, found_inf) -> None:
-        params = [e[0] for e in entries]
-        states = [self.state[p] for p in params]
-        steps = [s["step"] for s in states]
+        """One torch launch over ``entries`` (param, salt, layout, False), decided now (``step_in_backward``)."""
+        position = {id(e[0]): i for i, e in enumerate(entries)}
+        p_dtype = local(entries[0][0]).dtype
+        bucket = self._bucket(group, entries, position, False, device, p_dtype, None, lay)
+        grads = [local(e[0].grad) for e in entries]
+        self._launch_torch(group, bucket, grads, clip_coef, grad_scale, found_inf)
+
+    def _launch_torch(self, group, bucket: _plan.Bucket, grads, clip_coef, grad_scale, found_inf) -> None:
+        device, steps = bucket.device, bucket.steps
         lr = group["lr"]
         if isinstance(lr, torch.Tensor):
             lr = lr.to(device=device, dtype=torch.float32).reshape(())
         found_inf = self._device_scalar(found_inf, device)
         torch._foreach_add_(steps, 1.0)
         beta1, beta2 = group["betas"]
-        sr_seed = self._sr_seed(group, local(params[0]).dtype)
         _torch_step.step(
-            [local(p) for p in params],
-            [local(p.grad) for p in params],
-            [{k: local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()} for s in states],
-            lay,
+            bucket.params,
+            grads,
+            bucket.states,
+            bucket.lay,
             amsgrad=group["amsgrad"],
-            sr_seed=sr_seed,
-            salts=[e[1] for e in entries],
-            offsets=[0] * len(params) if sr_seed is None else [self._sr_offset(p) for p in params],
+            sr_seed=bucket.sr_seed,
+            salts=bucket.salts,
+            offsets=bucket.offsets,
             found_inf=found_inf,
             lr=lr,
             beta1=beta1,

@@ -75,6 +75,11 @@ def total_norm(grads: list[torch.Tensor], norm_type: float, per_tensor_norms: Pe
         group_norm = _dtensor_group_norm(bucket, norm_type, per_tensor_norms)
         # torch's norm of DTensors keeps their dtype: round like it
         norms.append(group_norm.to(local(bucket[0]).dtype).reshape(1).to(first_device))
+    return combine(norms, norm_type)
+
+
+def combine(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The total norm from the buckets' per-tensor norms (on one device), as torch combines them."""
     return torch.linalg.vector_norm(torch.cat(norms), norm_type)
 
 
