@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
-# Install the wheels prepare.sh made, without network: no index, no dependency resolution, into a folder of their
-# own that goes first on PYTHONPATH (the machine's site-packages stay untouched). Used by run.sh and .ci/env-test.
-#
-#   bash benchmarks/gpu/install_wheels.sh PYTHON WHEEL_DIR SITE_DIR
+# bash benchmarks/gpu/install_wheels.sh PYTHON WHEEL_DIR SITE_DIR: prepare.sh's wheels, installed without network
+# into a folder of their own for PYTHONPATH (docs/contributing.md, "The GPU proof"). Used by run.sh and .ci/env-test.
 set -euo pipefail
 usage="usage: install_wheels.sh PYTHON WHEEL_DIR SITE_DIR"
 python=${1:?$usage} wheels=${2:?$usage} site=${3:?$usage}

@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
-# On a machine with network and cargo: fill .whl/ (git-ignored; --dest DIR) with what run.sh installs on the GPU
-# machine, which needs neither: fasttrain's abi3 wheel (release; one wheel for Python 3.10+, the GPU machine has 3.12)
-# and the pure-Python wheels that machine lacks (wheels.txt, for Python 3.12, no torch).
-#
-#   bash benchmarks/gpu/prepare.sh [--dest DIR]
+# bash benchmarks/gpu/prepare.sh [--dest DIR]: fill .whl/ (or DIR) with the wheels run.sh installs on the GPU
+# machine; needs network and cargo. What it writes: docs/contributing.md, "The GPU proof".
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dest=.whl

@@ -1,23 +1,9 @@
 #!/usr/bin/env bash
-# The GPU proof in one call, on a Linux machine with one NVIDIA GPU (tested target: H200) that may have no network
-# and no Rust: install the wheels prepare.sh put in .whl/, record the provenance, run the tests marked `cuda`
-# compiled on the GPU, the kernel benchmarks (--device cuda) and the trainings (`fasttrain bench --preset gpu-*`).
-# Every step runs under its own cap (timeout); one that fails or hits its cap is recorded and the rest still run.
+# The GPU proof in one call on one NVIDIA GPU: the tests marked `cuda`, the kernel benchmarks and the trainings,
+# each step under its own cap. How it works and each option: docs/contributing.md, "The GPU proof".
 #
 #   bash benchmarks/gpu/run.sh --out DIR [--archive FILE.tar.gz] [--part kernels|training] [--smoke] [--wheels DIR]
 #                              [--budget]
-#
-#   --part     one half: the tests and kernel benchmarks, or the trainings (each half ends within 10 minutes on one
-#              H200; the whole run does not); both halves by default
-#   --smoke    the same steps on CPU at tiny sizes (Triton interpreted, the tests only collected), plus `compile`
-#              (every kernel compiled for sm_90 by this Python's Triton); the kernel and training lanes side by side
-#   --archive  DIR packed into FILE after every step: what finished survives an interrupted run
-#   --wheels   the wheels to install (default .whl; without that folder the current environment is used as it is)
-#   --budget   print the caps (each plus the kill grace) and each half's sum; fail if a half's passes 570 s on a GPU
-#
-# DIR gets steps.tsv (step, status, seconds, cap), logs/STEP.log, provenance.json, tests.tsv (each test's outcome
-# and seconds, written as it finishes: a test step cut short still says which tests failed, and why) and each step's
-# results; the table of steps is printed last. Exit status 1 if a step failed or timed out.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 command_line="bash benchmarks/gpu/run.sh $*"
@@ -31,7 +17,7 @@ while [ $# -gt 0 ]; do
             shift 2 ;;
         --smoke) smoke=1; shift ;;
         --budget) budget=1; shift ;;
-        -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,6p' "$0"; exit 0 ;;
         *) echo "run.sh: unknown option $1 (--out DIR, --archive FILE, --part P, --smoke, --wheels DIR, --budget)" >&2
             exit 2 ;;
     esac
@@ -39,11 +25,10 @@ done
 case "$part" in "" | kernels | training) ;; *) echo "run.sh: --part is kernels or training, not $part" >&2; exit 2 ;; esac
 
 # Caps in seconds: on one H200, then --smoke (2 shared CPU cores, Triton interpreted). On the GPU each half's caps
-# plus a 5 s kill grace each add up to at most 570 s, so that a half with its start-up and archiving ends within 10
-# minutes. The benchmarks get budgets below their caps that stop them starting new work, and `fasttrain bench`
-# writes its results after every run: a step cut short keeps what it finished. Sized by the first H200 run
-# (benchmarks/results/gpu/README.md): 4 workers ran ~250 of the 342 CUDA tests in 140 s (Triton compiles each
-# kernel variant once; 8 workers were no faster); one `fasttrain bench` process of Qwen3-0.6B takes ~18 s.
+# plus grace stay within 570 s, so that a half with its start-up and archiving ends within 10 minutes. The benchmarks'
+# budgets below their caps stop them starting new work; `fasttrain bench` writes after every run. Sized by the first
+# H200 run (benchmarks/results/gpu/README.md): 4 workers ran ~250 of the 342 CUDA tests in 140 s (8 were no faster);
+# one `fasttrain bench` process of Qwen3-0.6B takes ~18 s.
 grace=5
 declare -A cap=() half=()
 steps=()

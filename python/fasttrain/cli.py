@@ -1,11 +1,5 @@
 """The ``fasttrain`` command line: ``fasttrain bench`` (also ``python -m fasttrain bench``), ``fasttrain --version``.
-
-Exit codes: 0 done; 2 bad options or unusable model/data (one line on stderr, no traceback; an unknown or
-misspelled option prints the usage of the command it was given to); 1 a training run crashed (the tail of its
-log on stderr; the other contenders still ran and are in the table, the crashed one with its error); 130
-interrupted. ``--json`` and ``--markdown`` are rewritten after every run, so a bench stopped by a time cap keeps
-what finished. Every default comes from bench/presets.py.
-"""
+Its options and exit codes: docs/usage.md, "`fasttrain bench`"; every default comes from bench/presets.py."""
 
 from __future__ import annotations
 
@@ -50,14 +44,12 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     add("--smoke", action="store_true", help="run the preset's tiny-CPU twin: the same code in seconds, without a GPU")
     add("--trainer", choices=TRAINER_TYPES, help="transformers: transformers.Trainer against fasttrain.Trainer; "
         "else TRL's trainer of that name, plain against under fasttrain.patch() (default: transformers)")
-    add("--model", help=f"a built-in Qwen3 shape at random init ({shapes.replace('%', '%%')}), a local directory "
-        "or a hub id")
+    add("--model", help=f"a built-in Qwen3 shape, random init ({shapes.replace('%', '%%')}), a local dir or a hub id")
     add("--dataset", help="'default' (the Python standard library's sources), a local .json/.jsonl/.parquet/.txt "
         "file with a 'text' column or lines, or a hub dataset id")
     add("--device", choices=["auto", "cpu", "cuda"], help="default: cuda when available, else cpu")
-    add("--lengths", choices=list(data.LENGTH_KINDS), help="example lengths: 'natural' (each document of the "
-        f"dataset, truncated to --seq-len), 'lognormal' ({lognormal}, filled from the dataset's tokens) or 'full' "
-        "(every example --seq-len tokens of the dataset read as one stream)")
+    add("--lengths", choices=list(data.LENGTH_KINDS), help="'natural' (each document, cut to --seq-len), "
+        f"'lognormal' ({lognormal}) or 'full' (every example --seq-len tokens of the data read as one stream)")
     add("--steps", type=int, help="optimizer steps per run")
     add("--seq-len", type=int, help="maximum tokens per example; grpo/rloo: per prompt")
     add("--batch-size", type=int, help="per-device batch size; grpo/rloo: completions per micro-batch")
@@ -76,11 +68,9 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
         "'group_by_length' on both sides (--trainer transformers and sft only)")
     add("--liger", action=argparse.BooleanOptionalAction, help="add transformers.Trainer with "
         "use_liger_kernel=True as a third contender (default: on for cuda when liger_kernel imports)")
-    add("--ablate", nargs="?", const="", metavar="PATHS", help="also run fasttrain with each hot path switched "
-        "off in turn (FASTTRAIN_DISABLE=<name>), and with all off: each path's share. Optionally only the "
-        f"comma-separated PATHS (of {', '.join(HotPaths.names())}, all)")
-    add("--gradient-checkpointing", action=argparse.BooleanOptionalAction, help="the Trainer's "
-        "gradient_checkpointing on both sides")
+    add("--ablate", nargs="?", const="", metavar="PATHS", help="also fasttrain with each hot path off in turn, "
+        f"and all off: each one's share; or only the comma-separated PATHS (of {', '.join(HotPaths.names())}, all)")
+    add("--gradient-checkpointing", action=argparse.BooleanOptionalAction, help="gradient_checkpointing, both sides")
     add("--frontier", action="store_true", default=None, help="the longest sequence each contender trains under "
         "--memory-budget, from --seq-len (docs/usage.md; built-in presets: cpu-frontier, cuda-frontier)")
     add("--memory-budget", metavar="SIZE", help="--frontier: the memory a run may reach, e.g. 20GiB (default: "
@@ -89,8 +79,7 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     add("--json", metavar="PATH", help="write the results as JSON")
     add("--markdown", metavar="PATH", help="write the table as Markdown, with its provenance")
     add("--plot", metavar="PATH", help="write a PNG: loss curves, throughput and memory bars")
-    add("--profile", metavar="PATH", help="after the timed runs, one more run per contender that profiles one "
-        "step after the warm-up (torch.profiler) and writes where its time goes to PATH, as Markdown")
+    add("--profile", metavar="PATH", help="then profile one step per contender: where its time goes, to PATH")
     add("--no-progress", action="store_true", help="no progress bar")
     # fmt: on
     return p

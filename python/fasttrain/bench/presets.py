@@ -1,11 +1,7 @@
 """Every default of ``fasttrain bench``, in one table: the built-in presets and the GPU kit's. How the layers
-combine (built-in preset, ``--preset``, the options given; ``--smoke``'s twins): ``cli.settings``.
-
-"seq_len" may be a mapping per ``--lengths`` kind: the built-in limit differs for drawn and natural lengths.
-"warmup_steps" is capped at ``steps - 1`` unless given on the command line, so that a short run still times a
-step. "liger" None means: on for cuda when liger_kernel imports (not for GRPO/RLOO, where TRL keeps its own
-head).
-"""
+combine (built-in preset, ``--preset``, the options given; ``--smoke``'s twins; "warmup_steps" capped at
+``steps - 1``; "liger" None): ``cli.settings`` and ``cli.resolve``. "seq_len" may be a mapping per ``--lengths``
+kind: the built-in limit differs for drawn and natural lengths."""
 
 from __future__ import annotations
 
