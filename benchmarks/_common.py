@@ -1,10 +1,8 @@
-"""What the scripts under benchmarks/ share, imported as ``import _common`` (Python puts a script's folder first
-on ``sys.path``): writing a result (JSON + Markdown, both opening with ``fasttrain.bench.provenance``'s record),
-timing contenders in turn (collators among them), a tiny Qwen3 and an LM head's inputs, a torchrun launch on CPU,
-the standard library's sources as text, stand-in tokenizers and an optimizer's state bytes.
-
-Of ``fasttrain.bench`` it uses only ``provenance`` (one record for every result file); the rest of that package
-is the ``fasttrain bench`` command's and free to change (tests/test_bench_scripts.py keeps it so).
+"""What the scripts under benchmarks/ share, imported as ``import _common`` (a script's folder is first on
+``sys.path``): writing a result (JSON + Markdown opening with ``fasttrain.bench.provenance``'s record), timing
+contenders in turn, a tiny Qwen3 and an LM head's inputs, a torchrun launch on CPU, stand-in tokenizers and an
+optimizer's state bytes. Of ``fasttrain.bench`` the scripts use only ``provenance``, ``roofline`` and ``corpus``
+(tests/test_bench_scripts.py keeps it so): the rest is the ``fasttrain bench`` command's and free to change.
 """
 
 from __future__ import annotations
@@ -12,20 +10,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fasttrain.bench import provenance
+from fasttrain.bench import corpus, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -211,31 +207,13 @@ def worker_done(rank: int, out_file: str, written: Any) -> None:
         dist.destroy_process_group()
 
 
-def stdlib_sources() -> Iterator[str]:
-    """The standard library's .py files (third-party packages under it left out), sorted then shuffled with seed
-    0 (``fasttrain bench``'s corpus order), so that a prefix mixes packages and sizes: real code, no download."""
-    files = []
-    for directory, subdirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
-        subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages", "__pycache__")]
-        files += [Path(directory, name) for name in names if name.endswith(".py")]
-    files.sort()
-    random.Random(0).shuffle(files)
-    for path in files:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        if len(text) >= 64:  # near-empty __init__.py stubs carry nothing
-            yield text
-
-
 def stdlib_bpe(vocab: int, train_bytes: int, special_tokens: list[str]):
     """A byte-level BPE of ``vocab`` tokens (``tokenizers.Tokenizer``) trained on the first ``train_bytes`` of
-    ``stdlib_sources()``: ``fasttrain bench``'s kind of tokenizer, trained here in seconds, no download."""
+    ``fasttrain bench``'s corpus: its kind of tokenizer, trained here in seconds, no download."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     texts, size = [], 0
-    for text in stdlib_sources():
+    for text in corpus.iter_documents():
         texts.append(text)
         size += len(text.encode())
         if size >= train_bytes:

@@ -3,7 +3,7 @@
 How it measures (the reference, the contenders, error, '% lim'): docs/method.md, "Clipping and the AdamW step".
 
     python benchmarks/bench_adamw.py [--reps 9]        # CPU: benchmarks/results/adamw_cpu.{json,md}
-    python benchmarks/bench_adamw.py --device cuda --models gpt2-124M,llama3.2-1B --reps 7 --time-cap 23
+    python benchmarks/bench_adamw.py --device cuda --models gpt2-124M,llama3.2-1B --reps 7 --time-cap 48
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ import numpy as np
 from tokenizers import AddedToken
 
 import _common
+from fasttrain.bench import corpus
 
 SIDES = ("plain", "fasttrain")
 STEP_LINE = re.compile(r"^\{'loss': ")  # the Trainer's PrinterCallback / ProgressCallback line for each step
@@ -65,7 +66,7 @@ def alpaca_rows(tok, lengths: list[int]) -> list[dict]:
     overhead = len(tok.encode(TEMPLATE).ids)
     wanted = [max(length - overhead, 2) for length in lengths]
     stream: list[int] = []
-    for text in _common.stdlib_sources():
+    for text in corpus.iter_documents():
         stream += tok.encode(text).ids
         if len(stream) >= sum(wanted):
             break

@@ -4,12 +4,9 @@ Cases (``--cases``): loss, model, head, trl_sft, trl_dpo, speculation, trl_sft_s
 How it measures (contenders, timing, memory, '% lim'): docs/method.md, "LM-head losses".
 
     python benchmarks/bench_loss.py                 # writes benchmarks/results/loss_cpu.{json,md}
-    python benchmarks/bench_loss.py --rounds 1 --tokens 256   # quick look
     python benchmarks/bench_loss.py --cases trl_sft,trl_dpo --tokens 2048 --name loss_trl_cpu
     python benchmarks/bench_loss.py --cases head --tokens 460 --name head_gemms_cpu
-    python benchmarks/bench_loss.py --cases speculation,trl_sft_speculation,trl_lora_speculation --tokens 1024 \
-        --hidden 256 --vocab 32000 --name loss_speculation_cpu
-    python benchmarks/bench_loss.py --device cuda --cases loss --tokens 8192,16384 --budget-s 18
+    python benchmarks/bench_loss.py --device cuda --cases loss --tokens 8192,16384 --budget-s 33   # as the GPU kit
 """
 
 from __future__ import annotations
@@ -32,9 +29,8 @@ from fasttrain.bench import provenance, roofline
 
 VOCAB = 151_936
 HEAD_WIDTH = 1024  # Qwen3-0.6B's hidden size
-# Triton-on-CUDA libraries; torch.compile's compilation would dwarf a CPU step. fasttrain_wide: fasttrain with
-# chunks of ~hidden rows, against the default's memory-sized ones (on the first H200 run the default's chunks
-# re-read the fp32 weight-gradient buffer 32 times: docs/measured.md)
+# Triton-on-CUDA libraries; torch.compile's compilation would dwarf a CPU step. fasttrain_wide: chunks of ~hidden
+# rows, against the default's memory-sized ones (that re-read the fp32 weight gradient: docs/measured.md)
 CUDA_ONLY = ("fasttrain_wide", "torch_compile", "liger", "cce")
 IMPLS = {
     "loss": ("reference", "fasttrain", "torch_linear_ce", "torch_chunked_ce", *CUDA_ONLY),

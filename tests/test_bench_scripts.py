@@ -17,7 +17,8 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(BENCHMARKS.glob("bench_*.py"))
-SHARED = {"fasttrain.bench.provenance", "fasttrain.bench.roofline"}  # what every result file stands on
+# what every result file stands on, and the corpus every text benchmark reads (one copy of its order)
+SHARED = {"fasttrain.bench.provenance", "fasttrain.bench.roofline", "fasttrain.bench.corpus"}
 
 _spec = importlib.util.spec_from_file_location("_common", BENCHMARKS / "_common.py")
 common = importlib.util.module_from_spec(_spec)

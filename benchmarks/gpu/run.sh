@@ -28,16 +28,15 @@ case "$part" in "" | kernels | training) ;; *) echo "run.sh: --part is kernels o
 # plus grace stay within 570 s, so that a half with its start-up and archiving ends within 10 minutes. The benchmarks'
 # budgets below their caps stop them starting new work; `fasttrain bench` writes after every run. Sized by the first
 # H200 run (benchmarks/results/gpu/README.md): 4 workers ran ~250 of the 342 CUDA tests in 140 s (8 were no faster);
-# one `fasttrain bench` process of Qwen3-0.6B takes ~18 s.
+# one `fasttrain bench` process of Qwen3-0.6B takes ~18 s (gpu-e2e runs 3 contenders x 2, gpu-packing 4 x 1).
 grace=5
 declare -A cap=() half=()
 steps=()
+in_part() { [ -z "$part" ] || [ "${half[$1]}" = both ] || [ "${half[$1]}" = "$part" ]; }  # in_part STEP
 while read -r name which gpu_cap smoke_cap; do
     [ "$smoke" = 1 ] && cap[$name]=$smoke_cap || cap[$name]=$gpu_cap
     half[$name]=$which
-    if [ "${cap[$name]}" != - ] && { [ -z "$part" ] || [ "$which" = both ] || [ "$which" = "$part" ]; }; then
-        steps+=("$name")
-    fi
+    [ "${cap[$name]}" = - ] || ! in_part "$name" || steps+=("$name")
 done <<'EOF'
 install          both      10  60
 provenance       both      20  60
@@ -53,7 +52,6 @@ gpu-sft          training  50 300
 gpu-dpo          training  50 300
 gpu-grpo         training  45 300
 EOF
-# gpu-e2e: 3 contenders x 2 repetitions, each a process (start, set-up, compilation, 8 steps); gpu-packing 4 x 1.
 
 if [ "$budget" = 1 ]; then
     declare -A total=([kernels]=0 [training]=0)
@@ -97,7 +95,7 @@ fi
 step() {  # step NAME COMMAND...: COMMAND under NAME's cap, logged, one line in steps.tsv; never stops the run
     local name=$1 t0=$SECONDS rc status
     shift
-    [ -z "$part" ] || [ "${half[$name]}" = both ] || [ "${half[$name]}" = "$part" ] || return 0
+    in_part "$name" || return 0
     echo "[run.sh] $name (cap ${cap[$name]} s): $*" >&2
     timeout -k "$grace" "${cap[$name]}" "$@" > "$out/logs/$name.log" 2>&1
     rc=$?
