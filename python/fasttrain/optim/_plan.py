@@ -184,14 +184,7 @@ class GroupPlan:
             return None
         if list(map(id, chain.from_iterable(map(dict.values, states)))) != self.value_ids:
             return None
-        signature = _grad_signature(live)
-        if signature is None or signature[1] != self.grad_dtypes or signature[2] != self.grad_contiguous:
-            return None
-        if signature[0] != self.grad_ptrs:
-            for bucket in self.buckets:
-                bucket.regrad(signature[0])
-            self.grad_ptrs = signature[0]
-        return live
+        return live if _follow_grads(self, live) else None
 
 
 @dataclasses.dataclass(eq=False)
@@ -252,11 +245,17 @@ class ClipPlan:
         if [g is None for g in grads] != self.none_mask:
             return None
         live = [g for g in grads if g is not None]
-        signature = _grad_signature(live)
-        if signature is None or signature[1] != self.grad_dtypes or signature[2] != self.grad_contiguous:
-            return None
-        if signature[0] != self.grad_ptrs:
-            for bucket in self.buckets:
-                bucket.regrad(signature[0])
-            self.grad_ptrs = signature[0]
-        return live
+        return live if _follow_grads(self, live) else None
+
+
+def _follow_grads(plan, live: list[torch.Tensor]) -> bool:
+    """Whether ``live``'s dtypes and layouts are those ``plan`` was made for; where only their addresses moved
+    (``zero_grad(set_to_none=True)`` makes new gradients every step), its buckets' gradient rows follow them."""
+    signature = _grad_signature(live)
+    if signature is None or signature[1] != plan.grad_dtypes or signature[2] != plan.grad_contiguous:
+        return False
+    if signature[0] != plan.grad_ptrs:
+        for bucket in plan.buckets:
+            bucket.regrad(signature[0])
+        plan.grad_ptrs = signature[0]
+    return True
