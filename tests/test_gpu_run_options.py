@@ -19,7 +19,7 @@ TRAINING = ["gpu-e2e", "gpu-packing", "gpu-sft", "gpu-dpo", "gpu-grpo"]
 GPU_STEPS = ["install", "provenance", *KERNELS, *TRAINING]
 # Stands in for Python: logs its parent (timeout's command line) and its arguments; the provenance step is real
 FAKE_PYTHON = """#!/usr/bin/env bash
-echo "$(ps -o args= -p $PPID) :: $*" >> "$FAKE_LOG"
+echo "$(ps -ww -o args= -p $PPID) :: $*" >> "$FAKE_LOG"
 case "$*" in
     *provenance.record*) exec "$REAL_PYTHON" "$@" ;;
     *bench_adamw.py*) exit 3 ;;
@@ -165,7 +165,9 @@ def test_each_test_is_logged_as_it_finishes_with_its_error(tmp_path):
         "def test_ok():\n    pass\n\n\ndef test_bad():\n    assert 1 == 2, 'boom'\n"
     )
     log = tmp_path / "tests.tsv"
-    env = {**os.environ, "FASTTRAIN_TEST_LOG": str(log), "PYTHONPATH": str(ROOT / "tests")}
+    # this test may itself run in an xdist worker: its variables would make the inner controller look like one
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env.update(FASTTRAIN_TEST_LOG=str(log), PYTHONPATH=str(ROOT / "tests"))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", "-n", "2",
                            "--rootdir", str(tmp_path), str(tmp_path)], capture_output=True, text=True, timeout=120,
                           env=env, cwd=tmp_path)  # fmt: skip
