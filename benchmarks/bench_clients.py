@@ -77,8 +77,8 @@ def alpaca_rows(tok, lengths: list[int]) -> list[dict]:
     return rows
 
 
-def config(client: str, work: Path, a, run_dir: Path, **extra) -> dict:
-    """The framework's YAML (as JSON, which is YAML) for the run's model and rows, in prepared order; its output in
+def config(work: Path, a, run_dir: Path, **extra) -> dict:
+    """LLaMA-Factory's YAML (as JSON, which is YAML) for the run's model and rows, in prepared order; its output in
     run_dir/out."""
     (work / "data").mkdir(exist_ok=True)
     columns = {"prompt": "instruction", "query": "input", "response": "output"}
@@ -184,7 +184,7 @@ def prepare(client: str, work: Path, a) -> list[dict]:
     in_client(client, "write-model", str(work / "model"), str(tokenizer), json.dumps(qwen3), str(a.seed))
     # the framework tokenizes the rows once, every run then loads those tokens. No preprocess command: `train`
     # tokenizes first (saving at tokenized_path), then, with do_train false, only loads the model
-    prepared = config(client, work, a, work / "prepare", do_train=False)
+    prepared = config(work, a, work / "prepare", do_train=False)
     launch(client, work / "prepare", prepared, "train", "plain", 0)
     counts = json.loads(in_client(client, "token-counts", str(work / "prepared")))
     return [{**count, "target": target} for count, target in zip(counts, lengths, strict=True)]
@@ -194,7 +194,7 @@ def train(client: str, work: Path, a, side: str, index: int) -> dict:
     run_dir = work / f"run{index}-{side}"
     out = run_dir / "out"
     load_before = os.getloadavg()[0]
-    record = launch(client, run_dir, config(client, work, a, run_dir), "train", side, a.steps)
+    record = launch(client, run_dir, config(work, a, run_dir), "train", side, a.steps)
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     for weights in (*out.glob("*.safetensors"), *out.glob("checkpoint-*")):  # 2.4 GB a run at Qwen3-0.6B's
         shutil.rmtree(weights) if weights.is_dir() else weights.unlink()
