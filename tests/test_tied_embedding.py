@@ -2,7 +2,10 @@
 (``fasttrain.loss.tied_embedding``): the weight's gradient must be the reference's bit for bit (the same rows, summed
 in the same order at the same precision, then one addition per element), dense, held in the head's gradient tensor
 with no other weight-sized tensor made in the backward; without the head's gradient in the same backward, the
-embedding's own dense one."""
+embedding's own dense one. Under a step inside backward the head's gradient is deferred to the embedding's backward:
+the updates, optimizer states and logged norms must be those of the head's own gradient bit for bit (basis as is,
+scaled, recomputed, chunked, ignored labels; fp32, fp16, bf16 with stochastic rounding and 8-bit moments), no
+weight-sized tensor may be made before the embedding's backward, and a detached embedding must still get it."""
 
 from __future__ import annotations
 
@@ -37,13 +40,27 @@ class _TiedLM(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.head
 
-    def loss(self, ids: torch.Tensor, head: bool = True) -> torch.Tensor:
+    def loss(
+        self,
+        ids: torch.Tensor,
+        head: bool = True,
+        *,
+        labels=None,
+        chunk_rows=1 << 20,
+        detach=False,
+        mark=None,
+    ) -> torch.Tensor:
         tied_embedding.forget(self)
         hidden = torch.tanh(self.embed(ids).float() * 3).to(self.embed.weight.dtype)
+        if detach:  # the embedding's output reaches the loss through no gradient
+            hidden = hidden.detach()
+        if mark is not None:  # an identity whose backward runs after the head's, before the embedding's
+            hidden = mark(hidden)
         if not head:
             return hidden.float().square().sum()
         weight = tied_embedding.expose(self, self.head.weight)
-        return fused_linear_cross_entropy(hidden, weight, ids.roll(-1), chunk_rows=1 << 20)
+        labels = ids.roll(-1) if labels is None else labels
+        return fused_linear_cross_entropy(hidden, weight, labels, chunk_rows=chunk_rows)
 
 
 def _ids(vocab: int) -> torch.Tensor:
@@ -193,3 +210,159 @@ def test_an_embedding_with_its_own_instance_forward_is_left_alone():
     assert not tied_embedding.install(model)
     tied_embedding.uninstall(model)
     assert model.embed.forward is theirs
+
+
+# -- the head's gradient deferred to the embedding's backward (a step inside backward) ----------------------------
+
+DEFERRED_CASES = {
+    # (weight dtype, FusedAdamW options)
+    "fp32": (torch.float32, {}),
+    "bf16-sr-8bit": (torch.bfloat16, {"bf16_stochastic_rounding": True, "state_dtype": "8bit"}),
+    "fp16": (torch.float16, {}),
+}
+# how the loss reaches backward: the mean (the forward's basis as is), twice it (the basis scaled by 2: exact),
+# three times it (not a power of two: the backward recomputes), in chunks of 64 tokens, with ignored labels
+LOSS_FORMS = ["mean", "twice", "thrice", "chunks", "ignored"]
+
+
+def _deferred_run(dtype, options, form: str, *, defer: bool, steps: int = 3, detach: bool = False):
+    """(weight, optimizer state of the weight, logged norms, deferred weight gradients made) after ``steps``
+    backwards stepped inside backward, with the head's gradient deferred or (as before) made at its own."""
+    from fasttrain import FusedAdamW
+    from fasttrain.optim.in_backward import step_in_backward
+
+    model = _TiedLM(509, 24, dtype)
+    opt = FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, min_8bit_size=64, **options)
+    made = []
+    original_weight_grad, original_steps = chunked_head._weight_grad, tied_embedding._steps_in_backward
+
+    def counted(*args):
+        made.append(1)
+        return original_weight_grad(*args)
+
+    chunked_head._weight_grad = counted
+    if not defer:
+        tied_embedding._steps_in_backward = lambda weight: False
+    handle = step_in_backward(opt)
+    tied_embedding.install(model)
+    norms = []
+    try:
+        for step in range(steps):
+            ids = _ids(509).roll(step)
+            labels = ids.roll(-1)
+            if form == "ignored":
+                labels[::3] = -100
+            loss = model.loss(
+                ids, labels=labels, chunk_rows=64 if form == "chunks" else 1 << 20, detach=detach
+            )
+            loss = {"twice": 2 * loss, "thrice": 3 * loss}.get(form, loss)
+            loss.backward()
+            assert model.embed.weight.grad is None  # stepped in backward and freed
+            norms.append(handle.grad_norm(torch.float64).item())
+            handle.reset_grad_norm()
+    finally:
+        chunked_head._weight_grad, tied_embedding._steps_in_backward = original_weight_grad, original_steps
+        handle.remove()
+        tied_embedding.uninstall(model)
+    weight = model.embed.weight.detach()
+    return weight, opt.state[model.embed.weight], norms, len(made)
+
+
+@pytest.mark.parametrize("form", LOSS_FORMS)
+@pytest.mark.parametrize("case", list(DEFERRED_CASES))
+def test_deferred_head_gradient_steps_as_the_heads_own(case, form):
+    dtype, options = DEFERRED_CASES[case]
+    ours, our_state, our_norms, deferred = _deferred_run(dtype, options, form, defer=True)
+    ref, ref_state, ref_norms, made_before = _deferred_run(dtype, options, form, defer=False)
+    assert (deferred, made_before) == (3, 0)  # deferred at every backward, never without
+    assert torch.equal(ours, ref)
+    assert our_state.keys() == ref_state.keys()
+    for key in our_state:
+        assert torch.equal(our_state[key], ref_state[key]), key
+    assert our_norms == ref_norms  # the same gradient tensors: the same logged norm, bit for bit
+
+
+def test_a_detached_embedding_still_gets_the_heads_gradient():
+    # the embedding's backward never runs: the end of the backward adds the deferred gradient and steps
+    dtype, options = DEFERRED_CASES["bf16-sr-8bit"]
+    ours, _, our_norms, deferred = _deferred_run(dtype, options, "mean", defer=True, detach=True)
+    ref, _, ref_norms, _ = _deferred_run(dtype, options, "mean", defer=False, detach=True)
+    assert deferred == 3
+    assert torch.equal(ours, ref) and our_norms == ref_norms
+
+
+class _Mark(torch.autograd.Function):
+    """An identity whose backward notes when it ran in the dispatch log."""
+
+    @staticmethod
+    def forward(ctx, x, log):  # type: ignore[override]
+        ctx.log = log
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        ctx.log.append("mark")
+        return grad, None
+
+
+def test_no_weight_sized_gradient_exists_before_the_embeddings_backward():
+    from fasttrain import FusedAdamW
+    from fasttrain.optim.in_backward import step_in_backward
+
+    vocab, hidden = 4099, 16
+
+    class Log(TorchDispatchMode):
+        def __init__(self, log: list[str]) -> None:
+            super().__init__()
+            self.log = log
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.shape == (vocab, hidden):
+                inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+                if out.untyped_storage().data_ptr() not in inputs:  # made, not a view or in place
+                    self.log.append(func._schema.name)
+            return out
+
+    def step_log(in_backward: bool) -> list[str]:
+        model = _TiedLM(vocab, hidden, torch.bfloat16)
+        opt = FusedAdamW(model.parameters(), lr=1e-2, state_dtype="8bit", bf16_stochastic_rounding=True)
+        handle = step_in_backward(opt) if in_backward else None
+        tied_embedding.install(model)
+        log: list[str] = []
+        try:
+            with Log(log):
+                model.loss(_ids(vocab), mark=lambda x: _Mark.apply(x, log)).backward()
+        finally:
+            tied_embedding.uninstall(model)
+            if handle is not None:
+                handle.remove()
+        return log
+
+    ours, before = step_log(True), step_log(False)
+    assert "mark" in ours and "mark" in before
+    # the head's product (aten::mm) in the forward's basis without the step inside backward; with it, only after
+    # the mark: at the embedding's backward, where the step then frees it
+    assert "aten::mm" in before[: before.index("mark")]
+    assert ours.index("mark") < len(ours) - 1
+    assert all(name == "mark" for name in ours[: ours.index("mark") + 1])
+
+
+def test_frees_gradient_in_backward_reads_the_handle_now():
+    from fasttrain import FusedAdamW
+    from fasttrain.optim.in_backward import frees_gradient_in_backward, step_in_backward
+
+    model = _TiedLM(61, 8, torch.float32)
+    weight, outsider = model.embed.weight, nn.Parameter(torch.zeros(3))
+    opt = FusedAdamW(model.parameters(), lr=1e-2)
+    assert not frees_gradient_in_backward(weight)  # no handle
+    syncing = [False]
+    handle = step_in_backward(opt, armed=lambda: syncing[0])
+    try:
+        assert not frees_gradient_in_backward(weight)  # an accumulating backward keeps every gradient
+        syncing[0] = True
+        assert frees_gradient_in_backward(weight)
+        assert not frees_gradient_in_backward(outsider)  # not this optimizer's
+    finally:
+        handle.remove()
+    assert not frees_gradient_in_backward(weight)  # removed

@@ -129,6 +129,49 @@ def test_equals_the_run_without_it(tmp_path, case):
         assert any("exp_avg_codes" in s for s in ours.optimizer.optimizer.state.values())
 
 
+TIED_CASES = {
+    "bf16-model-sr-8bit": (
+        torch.bfloat16,
+        "bf16_stochastic_rounding=true,state_dtype=8bit,min_8bit_size=256",
+        {"bf16": True},
+    ),
+    "checkpointing": (
+        torch.float32,
+        None,
+        {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TIED_CASES))
+def test_a_tied_heads_gradient_deferred_to_the_embedding_equals_the_run_without_it(
+    tmp_path, monkeypatch, case
+):
+    # Qwen3's tied embeddings: with the switch, the fused head's weight gradient is made at the embedding's backward
+    # (loss.tied_embedding), on the micro-batch that steps; the accumulating one makes it at the head, as without
+    from fasttrain.loss import chunked_head
+
+    made = []
+    original = chunked_head._weight_grad
+    monkeypatch.setattr(chunked_head, "_weight_grad", lambda *a: made.append(1) or original(*a))
+    dtype, options, overrides = TIED_CASES[case]
+
+    def tied() -> transformers.PreTrainedModel:
+        model = tiny.model("qwen3", dtype=dtype)
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+        return model
+
+    ours = _trainer(tmp_path / "ours", _join(SWITCH, options), dtype, model=tied(), **overrides)
+    ours.train()
+    deferred = len(made)
+    ref = _trainer(tmp_path / "ref", options, dtype, model=tied(), **overrides)
+    ref.train()
+    assert deferred == STEPS and len(made) == deferred  # once per optimizer step; never without the switch
+    _assert_equal_runs(ours, ref)
+    assert ours.fasttrain_status["optimizer"] == STATUS
+
+
 def test_logs_the_norm_of_the_gradients_it_stepped(tmp_path):
     ours = _trainer(tmp_path / "ours", SWITCH)
     ours.train()

@@ -19,6 +19,8 @@ is written once here:
   in all instead of 4: the backward need not recompute the logits). The backward uses them only where that
   is exact: every scored upstream equal, and a power of two times the prediction (scaling by a power of two
   commutes with rounding). Else it recomputes. The check reads one value on the host (a sync on a GPU).
+- the deferral: a weight tagged by ``tied_embedding`` (tied, stepped inside backward) gets no gradient from the
+  head's backward; ``deferred()`` on its link computes it later by the same operations (``_defer``).
 
 Memory: one ``[rows, vocab]`` logits buffer in the compute dtype (plus the chunk math's fp32 temporaries on
 CPU), the fp32 gradient accumulators, and under autocast one copy of the weight in the compute dtype (as
@@ -47,6 +49,8 @@ STAT_ROWS = 64
 _WIDEN_ELEMENTS = 1 << 22
 # torch >= 2.8 has addmm with bf16/fp16 operands and an fp32 output on CUDA (not on CPU)
 _CUDA_MIXED_ADDMM = torch.__version__ >= (2, 8)
+# a weight tensor carrying this attribute asks for its gradient later (``_defer``; set by ``tied_embedding``)
+DEFER_ATTR = "_fasttrain_defer_weight_grad"
 
 
 def default_chunk_rows(
@@ -226,6 +230,8 @@ class _Plan:
     compute_dtype: torch.dtype
     chunk_rows: int
     predicted: torch.Tensor | None  # fp32 scalar: the upstream expected on every scored token of output 0
+    # where the weight's gradient goes when it is computed later, at a tied embedding's backward (``_defer``)
+    defer: Any = None
 
 
 def _pass(hidden, weight, bias, plan: _Plan, needs, chunk_grad) -> _Grads | None:
@@ -292,12 +298,12 @@ def _exact_ratio(
     return (ratio, value) if is_exact else None
 
 
-def _make_plan(hidden: torch.Tensor, chunk_rows: int, predicted: Any) -> _Plan:
+def _make_plan(hidden: torch.Tensor, chunk_rows: int, predicted: Any, defer: Any = None) -> _Plan:
     """Under autocast the matmuls run in the autocast dtype, like ``nn.Linear`` (read before autocast is turned
     off around the passes)."""
     if predicted is not None:
         predicted = torch.as_tensor(predicted, dtype=torch.float32, device=hidden.device)
-    return _Plan(compute_dtype(hidden), max(1, chunk_rows), predicted)
+    return _Plan(compute_dtype(hidden), max(1, chunk_rows), predicted, defer)
 
 
 def _forward(hidden, weight, bias, chunk_math: ChunkMath, plan: _Plan, needs) -> tuple[_Grads | None, tuple]:
@@ -312,24 +318,61 @@ def _forward(hidden, weight, bias, chunk_math: ChunkMath, plan: _Plan, needs) ->
 
 
 def _gradients(
-    hidden, weight, bias, chunk_math: ChunkMath, plan: _Plan, needs, basis, upstream: tuple
+    hidden, weight, bias, chunk_math: ChunkMath, plan: _Plan, needs, basis, upstream: tuple, defer=None
 ) -> tuple:
     """The inputs' gradients for ``upstream`` (one per differentiable output, None where there is none): the
     forward's basis, scaled, when only output 0 has an upstream and it is the predicted one times +-2^k; else a
-    second sweep that recomputes the logits."""
+    second sweep that recomputes the logits. With ``defer`` (``_defer``) the weight's is not computed here (None):
+    a function that computes it, by the same operations as this path, is left on ``defer.deferred``."""
     like = (hidden, weight, bias)
+    if defer is not None:
+        needs = (needs[0], False, needs[2])
     if basis is not None and upstream[0] is not None and all(g is None for g in upstream[1:]):
         exact = _exact_ratio(upstream[0], chunk_math.valid, plan.predicted)
         if exact is not None:
             ratio, value = exact
-            # a ratio of 1 (the usual case) scales nothing: no pass over the gradients
-            return basis.finish(None if value == 1.0 else ratio, like)
-    grads = _pass(
-        hidden, weight, bias, plan, needs,
-        lambda logits, lo, hi, scratch: chunk_math.backward_chunk(logits, lo, hi, upstream, scratch),
-    )  # fmt: skip
+            # a ratio of 1 (the usual case): no pass over the gradients
+            ratio = None if value == 1.0 else ratio
+            if defer is not None:
+                replay = chunk_math.replay_chunk  # type: ignore[attr-defined]  # _defer checked it
+                defer.deferred = lambda: _weight_grad(
+                    hidden, weight, bias, plan, ratio,
+                    lambda logits, lo, hi, scratch: replay(logits, lo, hi, plan.predicted, scratch),
+                )  # fmt: skip
+            return basis.finish(ratio, like)
+
+    def recompute(logits, lo, hi, scratch):
+        return chunk_math.backward_chunk(logits, lo, hi, upstream, scratch)
+
+    if defer is not None:
+        defer.deferred = lambda: _weight_grad(hidden, weight, bias, plan, None, recompute)
+        if not any(needs):
+            return None, None, None
+    grads = _pass(hidden, weight, bias, plan, needs, recompute)
     assert grads is not None
     return grads.finish(None, like)
+
+
+def _weight_grad(hidden, weight, bias, plan: _Plan, ratio, chunk_grad) -> torch.Tensor:
+    """The weight's gradient alone: a sweep as ``_gradients``' (the same chunks, chunk math and folds), then the
+    same scaling and cast."""
+    grads = _pass(hidden, weight, bias, plan, (False, True, False), chunk_grad)
+    assert grads is not None
+    return grads.finish(ratio, (hidden, weight, bias))[1]
+
+
+def _defer(plan: _Plan, chunk_math: ChunkMath, needs) -> Any:
+    """The target of a deferred weight gradient, or None: only a chunk math that can replay its forward's
+    gradient (``replay_chunk``), and only when the weight's gradient is asked for.
+
+    The target (``tied_embedding.Link``) is the weight's tied input embedding of this forward, whose backward runs
+    last and adds its rows into the gradient ``deferred()`` returns. Until then no ``[V, H]`` gradient exists:
+    under a step inside backward every other gradient is stepped and freed as it is made, so the head's, made at
+    the start of the backward and final only at its end, would otherwise be the one weight-sized gradient held
+    through it (0.78 GB at a 4B model's bf16 head). The price: the logits and their gradient once more."""
+    if plan.defer is None or not needs[1] or not hasattr(chunk_math, "replay_chunk"):
+        return None
+    return plan.defer
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -341,9 +384,11 @@ class _ChunkedHead(torch.autograd.Function):
             ctx.needs_input_grad[1],
             bias is not None and ctx.needs_input_grad[2],
         )
-        ctx.basis, outputs = _forward(hidden, weight, bias, chunk_math, plan, needs)
+        defer = _defer(plan, chunk_math, needs)
+        basis_needs = needs if defer is None else (needs[0], False, needs[2])
+        ctx.basis, outputs = _forward(hidden, weight, bias, chunk_math, plan, basis_needs)
         ctx.save_for_backward(hidden, weight, bias)
-        ctx.chunk_math, ctx.plan, ctx.needs = chunk_math, plan, needs
+        ctx.chunk_math, ctx.plan, ctx.needs, ctx.defer = chunk_math, plan, needs, defer
         ctx.mark_non_differentiable(*outputs[chunk_math.n_differentiable :])
         return outputs
 
@@ -354,7 +399,11 @@ class _ChunkedHead(torch.autograd.Function):
         upstream = upstream[: ctx.chunk_math.n_differentiable]
         if all(g is None for g in upstream):
             return None, None, None, None, None
-        grads = _gradients(hidden, weight, bias, ctx.chunk_math, ctx.plan, ctx.needs, basis, upstream)
+        grads = _gradients(
+            hidden, weight, bias, ctx.chunk_math, ctx.plan, ctx.needs, basis, upstream, ctx.defer
+        )
+        if ctx.defer is not None:
+            ctx.defer.pending()
         return *grads, None, None
 
 
@@ -368,7 +417,7 @@ def run_head(
 ) -> tuple[torch.Tensor, ...]:
     """The chunk math's per-token outputs, differentiable through ``hidden``, ``weight`` and ``bias``. Under
     autocast the matmuls run in the autocast dtype, like ``nn.Linear``; the gradients keep the inputs' dtypes."""
-    plan = _make_plan(hidden, chunk_rows, predicted)
+    plan = _make_plan(hidden, chunk_rows, predicted, getattr(weight, DEFER_ATTR, None))
     with torch.autocast(hidden.device.type, enabled=False):
         return _ChunkedHead.apply(hidden, weight, bias, chunk_math, plan)
 

@@ -58,6 +58,14 @@ class _CrossEntropyMath:
         self.log_z = torch.empty(labels.shape[0], **f32)  # for the backward
 
     def forward_chunk(self, logits, lo, hi, scale, scratch):
+        return self._forward_chunk(logits, lo, hi, scale, scratch, record=True)
+
+    def replay_chunk(self, logits, lo, hi, scale, scratch):
+        """``forward_chunk``'s gradient for ``scale`` again, the same operations, recording nothing (its ``log_z``
+        was recorded by the forward: the same values): a weight gradient computed later (``chunked_head``)."""
+        return self._forward_chunk(logits, lo, hi, scale, scratch, record=False)
+
+    def _forward_chunk(self, logits, lo, hi, scale, scratch, record):
         stats = self.stats_fn(
             logits,
             self.labels[lo:hi],
@@ -71,9 +79,10 @@ class _CrossEntropyMath:
             loss = loss - (self.eps / self.vocab) * stats["sum_z"]
         if self.z_loss:
             loss = loss + self.z_loss * log_z * log_z
-        assert self.loss is not None
-        self.loss[lo:hi] = torch.where(self.valid[lo:hi], loss, 0.0)
-        self.log_z[lo:hi] = log_z
+        if record:
+            assert self.loss is not None
+            self.loss[lo:hi] = torch.where(self.valid[lo:hi], loss, 0.0)
+            self.log_z[lo:hi] = log_z
         return None if scale is None else self._grad(logits, lo, hi, scale, scratch, stats.get("_exp"))
 
     def backward_chunk(self, logits, lo, hi, upstream, scratch):

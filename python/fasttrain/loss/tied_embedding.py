@@ -19,6 +19,15 @@ place and hands autograd no weight gradient of its own. The values are the refer
 - the sum is the same one addition per element (``head + row``, distinct rows); the reference adds zero to every
   other row, which changes nothing but a head gradient of exactly ``-0.0`` (kept as ``-0.0`` here, ``+0.0`` there).
 
+Under a step inside backward (``optim.in_backward``; armed for this backward) the head's gradient is deferred: the
+fused head computes it at the embedding's backward instead of at its own (``chunked_head._defer``: the logits and
+their gradient once more, by the same operations), and the embedding adds its rows and returns it as the weight's
+gradient, which the step then consumes and frees. Every other gradient is freed as it is made there, so without
+this the head's, made at the start of the backward and final only at its end, is the one weight-sized gradient held
+through the whole backward. The values, and the norm the step logs, are the same bit for bit. If the embedding's
+backward does not run (its output reached the loss through no gradient), the end of the backward adds the deferred
+gradient and runs the weight's post-accumulate hooks (``Link.pending``).
+
 A backward that does not run the head's (the model's own path, logits only, a loss on the embeddings) gets the
 embedding's dense reference gradient. On CPU tensors only so far (the CUDA embedding backward's order is not yet
 tested against this), and not for DTensor (FSDP2 shards) or DeepSpeed ZeRO-3 partitions, nor under
@@ -31,23 +40,48 @@ ZeRO-1/2 hold plain parameters: the path runs there, tested against the dense gr
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .chunked_head import DEFER_ATTR
+
 _LINK_ATTR = "_fasttrain_tied_link"  # the embedding's link of its latest forward
 _INSTALLED_ATTR = "_fasttrain_tied_forward"  # set while our instance ``forward`` is installed
 
 
 class Link:
-    """One forward of the embedding: the head's dense weight gradient of the same pass, once its backward ran."""
+    """One forward of the embedding: the head's dense weight gradient of the same pass, once its backward ran; or,
+    when the head defers it (``deferred``), the function that computes it."""
 
-    __slots__ = ("head_grad",)
+    __slots__ = ("deferred", "head_grad", "weight")
 
-    def __init__(self) -> None:
+    def __init__(self, weight: torch.Tensor) -> None:
         self.head_grad: torch.Tensor | None = None
+        self.deferred: Callable[[], torch.Tensor] | None = None
+        self.weight = weight  # the tied parameter
+
+    def pending(self) -> None:
+        """The head left its gradient in ``deferred`` (its backward ran): if the embedding's backward does not
+        take it in this backward (the embedding's output reached the loss through no gradient: detached), the
+        end of the backward adds it to the weight's gradient and runs the weight's post-accumulate hooks, as
+        autograd would have: nothing lost."""
+        torch.autograd.Variable._execution_engine.queue_callback(self._settle)
+
+    def _settle(self) -> None:
+        deferred, self.deferred = self.deferred, None
+        if deferred is None:
+            return
+        weight = self.weight
+        with torch.no_grad():
+            grad = deferred()
+            weight.grad = grad if weight.grad is None else weight.grad + grad
+        hooks = getattr(weight, "_post_accumulate_grad_hooks", None) or {}
+        for hook in tuple(hooks.values()):
+            hook(weight)
 
 
 class _Expose(torch.autograd.Function):
@@ -56,6 +90,7 @@ class _Expose(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, link: Link):  # type: ignore[override]
         ctx.link = link
+        ctx.set_materialize_grads(False)  # a head that defers its gradient hands none: no zero [V, H] made
         return weight.view_as(weight)
 
     @staticmethod
@@ -78,8 +113,12 @@ class _TiedEmbedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (ids,) = ctx.saved_tensors
-        head_grad, ctx.link.head_grad = ctx.link.head_grad, None  # autograd must hold the last reference
-        if head_grad is None:  # no head gradient in this pass: the reference's, dense
+        link = ctx.link
+        head_grad, link.head_grad = link.head_grad, None  # autograd must hold the last reference
+        deferred, link.deferred = link.deferred, None
+        if deferred is not None:  # the head's gradient, made now, returned: nothing else reaches the weight
+            head_grad = deferred()
+        elif head_grad is None:  # no head gradient in this pass: the reference's, dense
             return None, _dense(grad, ids, ctx.vocab, ctx.padding_idx, ctx.scale), None, None, None
         rows, renumbered = torch.unique(ids, sorted=True, return_inverse=True)
         padding = -1
@@ -88,7 +127,7 @@ class _TiedEmbedding(torch.autograd.Function):
             if at < rows.numel() and int(rows[at]) == ctx.padding_idx:
                 padding = at
         head_grad.index_add_(0, rows, _dense(grad, renumbered, rows.numel(), padding, ctx.scale))
-        return None, None, None, None, None
+        return None, (None if deferred is None else head_grad), None, None, None
 
 
 def _dense(grad: torch.Tensor, ids: torch.Tensor, rows: int, padding_idx: int, scale: bool) -> torch.Tensor:
@@ -115,7 +154,7 @@ def _forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     if not _takes_rows_path(self, ids):
         self.__dict__.pop(_LINK_ATTR, None)
         return nn.Embedding.forward(self, ids)
-    link = self.__dict__[_LINK_ATTR] = Link()
+    link = self.__dict__[_LINK_ATTR] = Link(self.weight)
     padding = -1 if self.padding_idx is None else self.padding_idx  # nn.Embedding made it non-negative
     return _TiedEmbedding.apply(ids, self.weight, link, padding, self.scale_grad_by_freq)
 
@@ -165,7 +204,16 @@ def expose(model: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     link: Any = None if embedding is None else embedding.__dict__.get(_LINK_ATTR)
     if link is None or embedding.weight is not weight or not torch.is_grad_enabled() or _fsdp2(model):
         return weight
-    return _Expose.apply(weight, link)
+    exposed = _Expose.apply(weight, link)
+    if _steps_in_backward(weight):
+        setattr(exposed, DEFER_ATTR, link)  # the fused head computes its gradient at the embedding's backward
+    return exposed
+
+
+def _steps_in_backward(weight: torch.Tensor) -> bool:
+    from ..optim.in_backward import frees_gradient_in_backward
+
+    return frees_gradient_in_backward(weight)
 
 
 def _fsdp2(model: nn.Module) -> bool:

@@ -205,6 +205,23 @@ def _squared_norm(grad: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def frees_gradient_in_backward(p: torch.Tensor) -> bool:
+    """Whether a one-process ``step_in_backward`` handle steps ``p`` in the backward about to run, freeing its
+    gradient there (registered, not removed, armed now). Then a gradient that only exists from some point of the
+    backward on costs memory from that point alone: the fused head computes a tied weight's gradient at the
+    embedding's backward instead of at its own (``loss.tied_embedding``). Under DDP the buckets hold every gradient
+    anyway (``in_backward_ddp``), so its handles do not count."""
+    for handle in list(_ACTIVE.values()):
+        if type(handle) is not StepInBackward or handle.removed:
+            continue
+        if handle.armed is not None and not handle.armed():
+            continue
+        with handle._lock:
+            if handle._where(p) is not None:
+                return True
+    return False
+
+
 def step_in_backward(
     optimizer: FusedAdamW, *, track_grad_norm: bool = True, armed: Callable[[], bool] | None = None
 ) -> StepInBackward:
@@ -249,4 +266,4 @@ def step_in_backward(
     return handle
 
 
-__all__ = ["StepInBackward", "step_in_backward"]
+__all__ = ["StepInBackward", "frees_gradient_in_backward", "step_in_backward"]
