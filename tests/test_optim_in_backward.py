@@ -183,9 +183,9 @@ def test_grad_norm_is_summed_a_slice_at_a_time(monkeypatch):
     """The hooks square each gradient in slices of ``STAGE_ELEMENTS`` (a whole gradient widened to float64 would
     cost 8 bytes an element): with 7-element slices (the 32x32 weight: 146 slices, the last short) the norm is the
     float64 norm of all the gradients, computed whole."""
-    from fasttrain.optim import in_backward
+    from fasttrain.optim import _torch_step
 
-    monkeypatch.setattr(in_backward, "STAGE_ELEMENTS", 7)
+    monkeypatch.setattr(_torch_step, "STAGE_ELEMENTS", 7)
     ref = make_model(torch.float32)
     x, t = batch(0, torch.float32, "cpu")
     (ref(x) - t).square().mean().backward()

@@ -215,32 +215,56 @@ def test_an_embedding_with_its_own_instance_forward_is_left_alone():
 # -- the head's gradient deferred to the embedding's backward (a step inside backward) ----------------------------
 
 DEFERRED_CASES = {
-    # (weight dtype, FusedAdamW options)
-    "fp32": (torch.float32, {}),
-    "bf16-sr-8bit": (torch.bfloat16, {"bf16_stochastic_rounding": True, "state_dtype": "8bit"}),
-    "fp16": (torch.float16, {}),
+    # (weight dtype, FusedAdamW options, vocabulary rows per block or None: the default blocks)
+    "fp32": (torch.float32, {}, None),  # fp32 products: made whole (no block-wise step)
+    "bf16-sr-8bit": (torch.bfloat16, {"bf16_stochastic_rounding": True, "state_dtype": "8bit"}, None),
+    "fp16": (torch.float16, {"state_dtype": "float32"}, None),
+    # blocks of 32 rows (768 elements, three 256-element staged pieces; 16 blocks, the last short)
+    "bf16-sr-8bit-blocks": (torch.bfloat16, {"bf16_stochastic_rounding": True, "state_dtype": "8bit"}, 768),
+    # a 256-element piece is not a multiple of the 768-element block: the whole gradient
+    "bf16-sr-8bit-unaligned": (
+        torch.bfloat16,
+        {"bf16_stochastic_rounding": True, "state_dtype": "8bit"},
+        -768,
+    ),
 }
 # how the loss reaches backward: the mean (the forward's basis as is), twice it (the basis scaled by 2: exact),
 # three times it (not a power of two: the backward recomputes), in chunks of 64 tokens, with ignored labels
 LOSS_FORMS = ["mean", "twice", "thrice", "chunks", "ignored"]
 
 
+def _small_blocks(monkeypatch, block: int | None) -> None:
+    """Blocks of ``abs(block)`` elements; staged pieces of the same (block > 0) or of 256 elements (block < 0)."""
+    from fasttrain.optim import _torch_step
+
+    if block is not None:
+        monkeypatch.setattr(chunked_head, "WEIGHT_BLOCK_ELEMENTS", abs(block))
+        monkeypatch.setattr(_torch_step, "STAGE_ELEMENTS", block if block > 0 else 256 * 5)
+
+
 def _deferred_run(dtype, options, form: str, *, defer: bool, steps: int = 3, detach: bool = False):
-    """(weight, optimizer state of the weight, logged norms, deferred weight gradients made) after ``steps``
-    backwards stepped inside backward, with the head's gradient deferred or (as before) made at its own."""
+    """(weight, optimizer state of the weight, logged norms, {"whole": gradients made whole later, "blocks": blocks
+    made}) after ``steps`` backwards stepped inside backward, with the head's gradient deferred or (as before)
+    made at its own."""
     from fasttrain import FusedAdamW
     from fasttrain.optim.in_backward import step_in_backward
 
     model = _TiedLM(509, 24, dtype)
     opt = FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, min_8bit_size=64, **options)
-    made = []
+    made = {"whole": 0, "blocks": 0}
     original_weight_grad, original_steps = chunked_head._weight_grad, tied_embedding._steps_in_backward
+    original_iter = chunked_head.RowBlocks.__iter__
 
     def counted(*args):
-        made.append(1)
+        made["whole"] += 1
         return original_weight_grad(*args)
 
-    chunked_head._weight_grad = counted
+    def counted_blocks(self):
+        for block in original_iter(self):
+            made["blocks"] += 1
+            yield block
+
+    chunked_head._weight_grad, chunked_head.RowBlocks.__iter__ = counted, counted_blocks
     if not defer:
         tied_embedding._steps_in_backward = lambda weight: False
     handle = step_in_backward(opt)
@@ -262,32 +286,58 @@ def _deferred_run(dtype, options, form: str, *, defer: bool, steps: int = 3, det
             handle.reset_grad_norm()
     finally:
         chunked_head._weight_grad, tied_embedding._steps_in_backward = original_weight_grad, original_steps
+        chunked_head.RowBlocks.__iter__ = original_iter
         handle.remove()
         tied_embedding.uninstall(model)
     weight = model.embed.weight.detach()
-    return weight, opt.state[model.embed.weight], norms, len(made)
+    return weight, opt.state[model.embed.weight], norms, made
+
+
+def _expected_made(case: str, form: str, steps: int = 3) -> dict[str, int]:
+    """Where the deferred gradient is made: one chunk of half-precision products a block at a time, where the
+    optimizer's step can be cut into those blocks; else whole."""
+    dtype, options, block = DEFERRED_CASES[case]
+    staged = (
+        options.get("state_dtype") in ("8bit", "float32") and dtype != torch.float32
+    )  # not torch's own kernel
+    blockwise = staged and form != "chunks"
+    if not blockwise or (block is not None and block < 0):
+        return {"whole": steps, "blocks": 0}
+    per_step = 1 if block is None else -(-509 // (block // 24))
+    return {"whole": 0, "blocks": steps * per_step}
 
 
 @pytest.mark.parametrize("form", LOSS_FORMS)
 @pytest.mark.parametrize("case", list(DEFERRED_CASES))
-def test_deferred_head_gradient_steps_as_the_heads_own(case, form):
-    dtype, options = DEFERRED_CASES[case]
-    ours, our_state, our_norms, deferred = _deferred_run(dtype, options, form, defer=True)
+def test_deferred_head_gradient_steps_as_the_heads_own(monkeypatch, case, form):
+    dtype, options, block = DEFERRED_CASES[case]
+    _small_blocks(monkeypatch, block)
+    ours, our_state, our_norms, made = _deferred_run(dtype, options, form, defer=True)
     ref, ref_state, ref_norms, made_before = _deferred_run(dtype, options, form, defer=False)
-    assert (deferred, made_before) == (3, 0)  # deferred at every backward, never without
+    assert made == _expected_made(case, form)
+    assert made_before == {"whole": 0, "blocks": 0}  # without the deferral: at the head's own backward
     assert torch.equal(ours, ref)
     assert our_state.keys() == ref_state.keys()
     for key in our_state:
         assert torch.equal(our_state[key], ref_state[key]), key
-    assert our_norms == ref_norms  # the same gradient tensors: the same logged norm, bit for bit
+    assert our_norms == ref_norms  # the same gradients summed in the same order: the same norm, bit for bit
+
+
+def test_weight_blocks_are_the_optimizers_staged_batches():
+    from fasttrain.optim import _torch_step
+
+    assert chunked_head.WEIGHT_BLOCK_ELEMENTS == _torch_step.STAGE_ELEMENTS
+    for hidden in (24, 1024, 2560, 4096, 5120, 3 * 7 * 11):
+        rows = chunked_head.weight_block_rows(hidden)
+        assert rows * hidden % _torch_step.STAGE_ELEMENTS == 0
 
 
 def test_a_detached_embedding_still_gets_the_heads_gradient():
     # the embedding's backward never runs: the end of the backward adds the deferred gradient and steps
-    dtype, options = DEFERRED_CASES["bf16-sr-8bit"]
-    ours, _, our_norms, deferred = _deferred_run(dtype, options, "mean", defer=True, detach=True)
+    dtype, options, _ = DEFERRED_CASES["bf16-sr-8bit"]
+    ours, _, our_norms, made = _deferred_run(dtype, options, "mean", defer=True, detach=True)
     ref, _, ref_norms, _ = _deferred_run(dtype, options, "mean", defer=False, detach=True)
-    assert deferred == 3
+    assert made == {"whole": 3, "blocks": 0}
     assert torch.equal(ours, ref) and our_norms == ref_norms
 
 
@@ -305,11 +355,13 @@ class _Mark(torch.autograd.Function):
         return grad, None
 
 
-def test_no_weight_sized_gradient_exists_before_the_embeddings_backward():
+@pytest.mark.parametrize("block", [None, 256], ids=["one-block", "blocks-of-16-rows"])
+def test_no_weight_sized_gradient_exists_before_the_embeddings_backward(monkeypatch, block):
     from fasttrain import FusedAdamW
     from fasttrain.optim.in_backward import step_in_backward
 
     vocab, hidden = 4099, 16
+    _small_blocks(monkeypatch, block)
 
     class Log(TorchDispatchMode):
         def __init__(self, log: list[str]) -> None:
@@ -318,7 +370,8 @@ def test_no_weight_sized_gradient_exists_before_the_embeddings_backward():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.shape == (vocab, hidden):
+            # a gradient's shape and dtype (the 8-bit moments made at the first step are uint8)
+            if isinstance(out, torch.Tensor) and out.shape == (vocab, hidden) and out.is_floating_point():
                 inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
                 if out.untyped_storage().data_ptr() not in inputs:  # made, not a view or in place
                     self.log.append(func._schema.name)
@@ -340,12 +393,12 @@ def test_no_weight_sized_gradient_exists_before_the_embeddings_backward():
         return log
 
     ours, before = step_log(True), step_log(False)
-    assert "mark" in ours and "mark" in before
-    # the head's product (aten::mm) in the forward's basis without the step inside backward; with it, only after
-    # the mark: at the embedding's backward, where the step then frees it
-    assert "aten::mm" in before[: before.index("mark")]
-    assert ours.index("mark") < len(ours) - 1
-    assert all(name == "mark" for name in ours[: ours.index("mark") + 1])
+    # without the step inside backward the head's gradient is made in the forward's basis, before the mark
+    assert before.index("mark") > 0
+    if block is None:  # one block, the whole weight: made after the mark, at the embedding's backward
+        assert ours[0] == "mark" and len(ours) > 1
+    else:  # blocks of 16 rows: no weight-sized tensor at all
+        assert ours == ["mark"]
 
 
 def test_frees_gradient_in_backward_reads_the_handle_now():

@@ -51,6 +51,18 @@ _WIDEN_ELEMENTS = 1 << 22
 _CUDA_MIXED_ADDMM = torch.__version__ >= (2, 8)
 # a weight tensor carrying this attribute asks for its gradient later (``_defer``; set by ``tied_embedding``)
 DEFER_ATTR = "_fasttrain_defer_weight_grad"
+# A one-chunk half-precision weight gradient is one product per block of this many elements' worth of vocabulary
+# rows (rounded to whole rows: ``weight_block_rows``), whether it is made whole or block by block: the same values
+# either way, so a step inside backward can make, step and free it a block at a time (``RowBlocks``). Equal to the
+# optimizer's staged batch (``optim._torch_step.STAGE_ELEMENTS``: tests/test_tied_embedding.py checks), so that
+# the blocks fall on the pieces the whole gradient's step and norm are cut into.
+WEIGHT_BLOCK_ELEMENTS = 1 << 22
+
+
+def weight_block_rows(hidden_size: int) -> int:
+    """Rows of the weight gradient per block: the fewest whole rows whose elements are a multiple of
+    ``WEIGHT_BLOCK_ELEMENTS``."""
+    return max(1, WEIGHT_BLOCK_ELEMENTS // math.gcd(WEIGHT_BLOCK_ELEMENTS, max(1, hidden_size)))
 
 
 def default_chunk_rows(
@@ -168,8 +180,10 @@ class _Grads:
             else:
                 self.hidden[lo:hi] = torch.mm(grad, w)
         first, self._started = not self._started, True
-        if self._weight_direct:
-            self.weight = torch.mm(grad.t(), h)
+        if self._weight_direct:  # in row blocks, as RowBlocks makes it
+            self.weight = torch.empty(w.shape, dtype=grad.dtype, device=grad.device)
+            for a, b in _row_blocks(w.shape[0], weight_block_rows(w.shape[1])):
+                torch.mm(grad[:, a:b].t(), h, out=self.weight[a:b])
         elif self.weight is not None:
             if grad.dtype == torch.float32:
                 if first:
@@ -234,12 +248,12 @@ class _Plan:
     defer: Any = None
 
 
-def _pass(hidden, weight, bias, plan: _Plan, needs, chunk_grad) -> _Grads | None:
-    """One sweep over the chunks: logits in the compute dtype, ``chunk_grad`` on them, gradients folded in."""
-    w = weight.to(plan.compute_dtype)
-    b = None if bias is None else bias.to(plan.compute_dtype)
-    one_chunk = hidden.shape[0] <= plan.chunk_rows
-    grads = _Grads(hidden, w, needs, one_chunk) if needs is not None and any(needs) else None
+def _row_blocks(rows: int, per_block: int) -> list[tuple[int, int]]:
+    return [(a, min(a + per_block, rows)) for a in range(0, rows, per_block)]
+
+
+def _sweep(hidden, w, b, plan: _Plan, chunk_grad):
+    """The chunks in order: (lo, hi, the chunk's hidden states and logits' gradient in the compute dtype)."""
     scratch = Scratch()
     for lo in range(0, hidden.shape[0], plan.chunk_rows):
         hi = min(lo + plan.chunk_rows, hidden.shape[0])
@@ -249,10 +263,46 @@ def _pass(hidden, weight, bias, plan: _Plan, needs, chunk_grad) -> _Grads | None
             torch.mm(h, w.t(), out=logits)
         else:
             torch.addmm(b, h, w.t(), out=logits)
-        grad = _chunk_grad_in_blocks(chunk_grad, logits, lo, hi, scratch, plan.compute_dtype)
+        yield lo, hi, h, _chunk_grad_in_blocks(chunk_grad, logits, lo, hi, scratch, plan.compute_dtype)
+
+
+def _pass(hidden, weight, bias, plan: _Plan, needs, chunk_grad) -> _Grads | None:
+    """One sweep over the chunks: logits in the compute dtype, ``chunk_grad`` on them, gradients folded in."""
+    w = weight.to(plan.compute_dtype)
+    b = None if bias is None else bias.to(plan.compute_dtype)
+    one_chunk = hidden.shape[0] <= plan.chunk_rows
+    grads = _Grads(hidden, w, needs, one_chunk) if needs is not None and any(needs) else None
+    for lo, hi, h, grad in _sweep(hidden, w, b, plan, chunk_grad):
         if grads is not None and grad is not None:
             grads.fold(grad, h, w, lo, hi)
     return grads
+
+
+class RowBlocks:
+    """A deferred one-chunk half-precision weight gradient, made a block of ``rows`` rows at a time: iterating
+    yields ``(first row, end row, the block in the weight's dtype)``, each the rows ``_Grads`` makes for the whole
+    gradient (the same products, scaling and cast). Only the chunk's logits gradient and one block exist at once."""
+
+    def __init__(self, hidden, weight, bias, plan: _Plan, ratio, chunk_grad) -> None:
+        self._args = (hidden, weight, bias, plan, ratio, chunk_grad)
+        self.rows = weight_block_rows(weight.shape[1])
+        self.shape = tuple(weight.shape)
+
+    def __iter__(self):
+        hidden, weight, bias, plan, ratio, chunk_grad = self._args
+        w = weight.to(plan.compute_dtype)
+        b = None if bias is None else bias.to(plan.compute_dtype)
+        ((_, _, h, grad),) = list(_sweep(hidden, w, b, plan, chunk_grad))  # one chunk
+        for a, z in _row_blocks(w.shape[0], self.rows):
+            if grad is None:  # nothing scored in the chunk (no token): zeros, as _Grads.finish gives
+                block = torch.zeros((z - a, w.shape[1]), dtype=weight.dtype, device=w.device)
+            else:
+                block = torch.empty((z - a, w.shape[1]), dtype=grad.dtype, device=grad.device)
+                torch.mm(grad[:, a:z].t(), h, out=block)
+                if ratio is not None:
+                    block.mul_(ratio)
+                block = block.to(weight.dtype)
+            yield a, z, block
 
 
 def _chunk_grad_in_blocks(chunk_grad, logits, lo, hi, scratch, dtype) -> torch.Tensor | None:
@@ -335,22 +385,28 @@ def _gradients(
             ratio = None if value == 1.0 else ratio
             if defer is not None:
                 replay = chunk_math.replay_chunk  # type: ignore[attr-defined]  # _defer checked it
-                defer.deferred = lambda: _weight_grad(
-                    hidden, weight, bias, plan, ratio,
-                    lambda logits, lo, hi, scratch: replay(logits, lo, hi, plan.predicted, scratch),
-                )  # fmt: skip
+                _leave(defer, hidden, weight, bias, plan, ratio,
+                       lambda logits, lo, hi, scratch: replay(logits, lo, hi, plan.predicted, scratch))  # fmt: skip
             return basis.finish(ratio, like)
 
     def recompute(logits, lo, hi, scratch):
         return chunk_math.backward_chunk(logits, lo, hi, upstream, scratch)
 
     if defer is not None:
-        defer.deferred = lambda: _weight_grad(hidden, weight, bias, plan, None, recompute)
+        _leave(defer, hidden, weight, bias, plan, None, recompute)
         if not any(needs):
             return None, None, None
     grads = _pass(hidden, weight, bias, plan, needs, recompute)
     assert grads is not None
     return grads.finish(None, like)
+
+
+def _leave(defer, hidden, weight, bias, plan: _Plan, ratio, chunk_grad) -> None:
+    """The deferred weight gradient on its target: ``deferred()`` makes it whole; ``deferred_rows``, where it is
+    one chunk's half-precision product (``_Grads``' direct case), makes it a block of rows at a time."""
+    defer.deferred = lambda: _weight_grad(hidden, weight, bias, plan, ratio, chunk_grad)
+    direct = 0 < hidden.shape[0] <= plan.chunk_rows and plan.compute_dtype != torch.float32
+    defer.deferred_rows = RowBlocks(hidden, weight, bias, plan, ratio, chunk_grad) if direct else None
 
 
 def _weight_grad(hidden, weight, bias, plan: _Plan, ratio, chunk_grad) -> torch.Tensor:

@@ -24,7 +24,10 @@ fused head computes it at the embedding's backward instead of at its own (``chun
 their gradient once more, by the same operations), and the embedding adds its rows and returns it as the weight's
 gradient, which the step then consumes and frees. Every other gradient is freed as it is made there, so without
 this the head's, made at the start of the backward and final only at its end, is the one weight-sized gradient held
-through the whole backward. The values, and the norm the step logs, are the same bit for bit. If the embedding's
+through the whole backward. Where the head's gradient is one half-precision product (up to ``hidden_size`` tokens)
+and the optimizer's step is staged (stochastic rounding, 8-bit or fp32 moments), it is not even made whole: each
+block of vocabulary rows is made, gets its embedding rows, and is stepped and dropped
+(``optim.in_backward.step_blocks_in_backward``). The values, and the norm the step logs, are the same bit for bit. If the embedding's
 backward does not run (its output reached the loss through no gradient), the end of the backward adds the deferred
 gradient and runs the weight's post-accumulate hooks (``Link.pending``).
 
@@ -57,11 +60,12 @@ class Link:
     """One forward of the embedding: the head's dense weight gradient of the same pass, once its backward ran; or,
     when the head defers it (``deferred``), the function that computes it."""
 
-    __slots__ = ("deferred", "head_grad", "weight")
+    __slots__ = ("deferred", "deferred_rows", "head_grad", "weight")
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.head_grad: torch.Tensor | None = None
         self.deferred: Callable[[], torch.Tensor] | None = None
+        self.deferred_rows: Any = None  # chunked_head.RowBlocks: the same gradient, a block of rows at a time
         self.weight = weight  # the tied parameter
 
     def pending(self) -> None:
@@ -72,7 +76,7 @@ class Link:
         torch.autograd.Variable._execution_engine.queue_callback(self._settle)
 
     def _settle(self) -> None:
-        deferred, self.deferred = self.deferred, None
+        deferred, self.deferred, self.deferred_rows = self.deferred, None, None
         if deferred is None:
             return
         weight = self.weight
@@ -115,10 +119,9 @@ class _TiedEmbedding(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         link = ctx.link
         head_grad, link.head_grad = link.head_grad, None  # autograd must hold the last reference
-        deferred, link.deferred = link.deferred, None
-        if deferred is not None:  # the head's gradient, made now, returned: nothing else reaches the weight
-            head_grad = deferred()
-        elif head_grad is None:  # no head gradient in this pass: the reference's, dense
+        deferred, blocks = link.deferred, link.deferred_rows
+        link.deferred = link.deferred_rows = None
+        if deferred is None and head_grad is None:  # no head gradient in this pass: the reference's, dense
             return None, _dense(grad, ids, ctx.vocab, ctx.padding_idx, ctx.scale), None, None, None
         rows, renumbered = torch.unique(ids, sorted=True, return_inverse=True)
         padding = -1
@@ -126,8 +129,15 @@ class _TiedEmbedding(torch.autograd.Function):
             at = int(torch.searchsorted(rows, ctx.padding_idx))
             if at < rows.numel() and int(rows[at]) == ctx.padding_idx:
                 padding = at
-        head_grad.index_add_(0, rows, _dense(grad, renumbered, rows.numel(), padding, ctx.scale))
-        return None, (None if deferred is None else head_grad), None, None, None
+        dense_rows = _dense(grad, renumbered, rows.numel(), padding, ctx.scale)
+        if deferred is None:  # the head's gradient came through _Expose, and goes on to the weight from there
+            head_grad.index_add_(0, rows, dense_rows)
+            return None, None, None, None, None
+        if blocks is not None and _step_blocks(link.weight, blocks, rows, dense_rows):
+            return None, None, None, None, None  # made, stepped and freed a block at a time
+        head_grad = deferred()  # made now and returned: nothing else reaches the weight
+        head_grad.index_add_(0, rows, dense_rows)
+        return None, head_grad, None, None, None
 
 
 def _dense(grad: torch.Tensor, ids: torch.Tensor, rows: int, padding_idx: int, scale: bool) -> torch.Tensor:
@@ -208,6 +218,22 @@ def expose(model: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     if _steps_in_backward(weight):
         setattr(exposed, DEFER_ATTR, link)  # the fused head computes its gradient at the embedding's backward
     return exposed
+
+
+def _step_blocks(weight: torch.Tensor, blocks: Any, rows: torch.Tensor, dense_rows: torch.Tensor) -> bool:
+    """The deferred head gradient plus the embedding's rows, stepped a block of vocabulary rows at a time by the
+    step inside backward (``optim.in_backward.step_blocks_in_backward``); False: not stepped, nothing consumed."""
+    from ..optim.in_backward import step_blocks_in_backward
+
+    hidden = blocks.shape[1]
+
+    def with_rows():
+        for a, z, block in blocks:
+            inside = (rows >= a) & (rows < z)
+            block.index_add_(0, rows[inside] - a, dense_rows[inside])  # what index_add_ adds to these rows
+            yield a * hidden, z * hidden, block
+
+    return step_blocks_in_backward(weight, blocks.rows * hidden, with_rows())
 
 
 def _steps_in_backward(weight: torch.Tensor) -> bool:

@@ -607,22 +607,29 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def _launch_torch(self, group, bucket: _plan.Bucket, grads, clip_coef, grad_scale, found_inf) -> None:
         device, steps = bucket.device, bucket.steps
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            lr = lr.to(device=device, dtype=torch.float32).reshape(())
         found_inf = self._device_scalar(found_inf, device)
         torch._foreach_add_(steps, 1.0)
-        beta1, beta2 = group["betas"]
         _torch_step.step(
             bucket.params,
             grads,
             bucket.states,
             bucket.lay,
-            amsgrad=group["amsgrad"],
             sr_seed=bucket.sr_seed,
             salts=bucket.salts,
             offsets=bucket.offsets,
             found_inf=found_inf,
+            **self._torch_hyper(group, device, clip_coef, grad_scale),
+        )
+        if found_inf is not None:
+            torch._foreach_sub_(steps, [found_inf] * len(steps))
+
+    def _torch_hyper(self, group, device, clip_coef, grad_scale) -> dict[str, Any]:
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            lr = lr.to(device=device, dtype=torch.float32).reshape(())
+        beta1, beta2 = group["betas"]
+        return dict(
+            amsgrad=group["amsgrad"],
             lr=lr,
             beta1=beta1,
             beta2=beta2,
@@ -631,8 +638,27 @@ class FusedAdamW(torch.optim.Optimizer):
             maximize=group["maximize"],
             grad_scale=self._torch_grad_scale(clip_coef, grad_scale, device),
         )
-        if found_inf is not None:
-            torch._foreach_sub_(steps, [found_inf] * len(steps))
+
+    def _torch_step_blocks(self, group, p, salt, lay, blocks) -> None:
+        """``_torch_step`` of ``p`` alone (no clip, no scaler), its gradient handed in consecutive flat blocks
+        ``(start, stop, gradient of elements start:stop)`` that need not exist together (``step_in_backward``'s
+        block-wise step). The step counter moves once; each block is stepped as ``_torch_step.step``'s staged
+        pieces of the whole would be (the caller, ``in_backward._in_blocks``, keeps the blocks on the pieces
+        and the layout staged), so the update is the whole gradient's, bit for bit."""
+        device = local(p).device
+        bucket = self._bucket(
+            group, [(p, salt, lay, False)], {id(p): 0}, False, device, local(p).dtype, None, lay
+        )
+        hyper = self._torch_hyper(group, device, None, None)
+        torch._foreach_add_(bucket.steps, 1.0)
+        flat, state = bucket.params[0].view(-1), bucket.states[0]
+        for start, stop, grad in blocks:
+            part = lay.state_slice(state, start, stop)
+            assert part is not None, "in_backward._in_blocks checked that the state slices"
+            _torch_step.step(
+                [flat[start:stop]], [grad], [part], lay, sr_seed=bucket.sr_seed, salts=bucket.salts,
+                offsets=[bucket.offsets[0] + start], found_inf=None, **hyper,
+            )  # fmt: skip
 
 
 __all__ = ["FusedAdamW"]

@@ -46,20 +46,24 @@ backward steps.
 
 ``handle.grad_norm()`` is the 2-norm of every gradient stepped since ``handle.reset_grad_norm()`` (or since the
 handle was made): the squares are summed in float64 on the gradients' device, without a host sync.
+
+A gradient that comes a block at a time (``step_blocks_in_backward``: the fused head's tied weight gradient) is
+stepped block by block, never whole: the step counter moves once, and each block is stepped and squared as the
+staged torch step and the norm cut the whole gradient into pieces of ``STAGE_ELEMENTS``, so update and norm are
+the whole gradient's, bit for bit.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from . import _state
+from . import _state, _torch_step
 from ._tensors import is_dtensor, local
-from ._torch_step import STAGE_ELEMENTS
 from .adamw import FusedAdamW
 
 # the optimizers with hooks registered: a second registration would find every gradient already freed
@@ -193,14 +197,90 @@ class StepInBackward:
         return True
 
 
-def _squared_norm(grad: torch.Tensor) -> torch.Tensor:
-    """The gradient's float64 sum of squares, ``STAGE_ELEMENTS`` elements at a time: a whole gradient widened to
-    float64 costs 8 bytes an element (1.2 GB at a 0.6B model's embedding, 3.1 GB at a 4B one's), more than the
-    step itself."""
+def _in_blocks(
+    handle: StepInBackward,
+    p: torch.Tensor,
+    block_elements: int,
+    blocks: Iterable[tuple[int, int, torch.Tensor]],
+) -> bool:
+    """``StepInBackward.step_blocks`` (its doc), under the handle's lock."""
+    opt = handle._optimizer
+    _refuse_clip(opt)
+    if handle.armed is not None and not handle.armed():
+        return False
+    where = handle._where(p)
+    stage = _torch_step.STAGE_ELEMENTS
+    if where is None or not (block_elements % stage == 0 or block_elements >= p.numel()):
+        return False
+    if not p.is_contiguous() or getattr(p, "_backward_hooks", None) or len(_post_hooks(p)) != 1:
+        return False  # a hook of someone else's would not see the gradient, which never exists whole
+    gi, j, salt = where
+    group = opt.param_groups[gi]
+    if opt._backend_for(group, p.device) != "torch":
+        return False
+    lay = _state.init(opt.state[p], group, p, f"FusedAdamW param group {gi}, parameter {j}")
+    native = lay.torch_native(p.dtype) and opt._sr_seed(group, p.dtype) is None
+    if native or lay.state_slice(opt.state[p], 0, p.numel()) is None:
+        return False  # torch's kernel on the whole list, or a state that cannot be cut: the whole gradient
+    held = p.grad  # what earlier accumulating backwards left, to which autograd would add this one
+    if held is not None:
+        opt._check_dense(p, gi, j)
+        held = held.reshape(-1)
+    squares = torch.zeros((), dtype=torch.float64, device=p.device) if handle._track else None
+
+    def feed():
+        for start, stop, grad in blocks:
+            flat = grad.reshape(-1)
+            if held is not None:
+                flat = held[start:stop] + flat
+            if squares is not None:
+                _squared_norm(flat, squares)
+            yield start, stop, flat
+
+    opt._torch_step_blocks(group, p, salt, lay, feed())
+    if squares is not None:
+        prev = handle._squares.get(squares.device)
+        handle._squares[squares.device] = squares if prev is None else prev + squares
+    handle.stepped += 1
+    handle.updates += 1
+    p.grad = None
+    return True
+
+
+def _post_hooks(p: torch.Tensor) -> dict:
+    return getattr(p, "_post_accumulate_grad_hooks", None) or {}
+
+
+def step_blocks_in_backward(
+    p: torch.Tensor, block_elements: int, blocks: Iterable[tuple[int, int, torch.Tensor]]
+) -> bool:
+    """Step ``p`` now from a gradient that comes in consecutive flat blocks ``(start, stop, gradient of elements
+    start:stop)`` of ``block_elements`` each (the last shorter), never whole: the update, state and logged norm
+    that a whole gradient stepped by the one-process handle would give, bit for bit. True when done (``p.grad``
+    is then None, as after the hook); False, with ``blocks`` untouched, where no armed one-process handle steps
+    ``p`` or the step cannot be cut this way (the Triton backend, torch's unstaged kernel, blocks off the staged
+    pieces, someone else's hook on ``p``): then hand autograd the whole gradient.
+
+    What uses it: the fused head's tied weight gradient (``loss.tied_embedding``), made at the embedding's
+    backward, is the one weight-sized gradient left there (0.78 GB at a 4B model's bf16 embedding)."""
+    for handle in list(_ACTIVE.values()):
+        if type(handle) is StepInBackward and not handle.removed:
+            with handle._lock:
+                if handle._where(p) is not None:
+                    return _in_blocks(handle, p, block_elements, blocks)
+    return False
+
+
+def _squared_norm(grad: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
+    """The gradient's float64 sum of squares, ``STAGE_ELEMENTS`` elements at a time, added to ``total`` (a running
+    sum over consecutive blocks of one gradient: the same additions as over the whole): a whole gradient widened
+    to float64 costs 8 bytes an element (1.2 GB at a 0.6B model's embedding, 3.1 GB at a 4B one's), more than
+    the step itself."""
     flat = grad.reshape(-1)
-    total = torch.zeros((), dtype=torch.float64, device=grad.device)
-    for lo in range(0, flat.numel(), STAGE_ELEMENTS):
-        part = flat[lo : lo + STAGE_ELEMENTS].to(torch.float64)
+    if total is None:
+        total = torch.zeros((), dtype=torch.float64, device=grad.device)
+    for lo in range(0, flat.numel(), _torch_step.STAGE_ELEMENTS):
+        part = flat[lo : lo + _torch_step.STAGE_ELEMENTS].to(torch.float64)
         total += torch.dot(part, part)
     return total
 
@@ -266,4 +346,4 @@ def step_in_backward(
     return handle
 
 
-__all__ = ["StepInBackward", "frees_gradient_in_backward", "step_in_backward"]
+__all__ = ["StepInBackward", "frees_gradient_in_backward", "step_blocks_in_backward", "step_in_backward"]
