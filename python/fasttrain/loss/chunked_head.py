@@ -180,7 +180,9 @@ class _Grads:
             else:
                 self.hidden[lo:hi] = torch.mm(grad, w)
         first, self._started = not self._started, True
-        if self._weight_direct:  # in row blocks, as RowBlocks makes it
+        if self._weight_direct and grad.device.type != "cpu":
+            self.weight = torch.mm(grad.t(), h)
+        elif self._weight_direct:  # in row blocks on CPU, as RowBlocks makes it (the tied rows path is CPU's)
             self.weight = torch.empty(w.shape, dtype=grad.dtype, device=grad.device)
             for a, b in _row_blocks(w.shape[0], weight_block_rows(w.shape[1])):
                 torch.mm(grad[:, a:b].t(), h, out=self.weight[a:b])
@@ -405,7 +407,11 @@ def _leave(defer, hidden, weight, bias, plan: _Plan, ratio, chunk_grad) -> None:
     """The deferred weight gradient on its target: ``deferred()`` makes it whole; ``deferred_rows``, where it is
     one chunk's half-precision product (``_Grads``' direct case), makes it a block of rows at a time."""
     defer.deferred = lambda: _weight_grad(hidden, weight, bias, plan, ratio, chunk_grad)
-    direct = 0 < hidden.shape[0] <= plan.chunk_rows and plan.compute_dtype != torch.float32
+    direct = (
+        0 < hidden.shape[0] <= plan.chunk_rows
+        and plan.compute_dtype != torch.float32
+        and hidden.device.type == "cpu"
+    )
     defer.deferred_rows = RowBlocks(hidden, weight, bias, plan, ratio, chunk_grad) if direct else None
 
 
