@@ -41,6 +41,30 @@ def test_search_stops_at_the_cap_and_when_nothing_fits():
     assert [(p.length, p.fits) for p in frontier.search(_known(100, []), 512, 4096)] == [(512, False)]
 
 
+def test_the_reference_runs_first_and_the_others_start_at_its_longest(monkeypatch):
+    """A time cap may stop the search: the reference's search comes first whatever the order given, each other
+    contender's first probe is at the reference's longest (the peak ratio the frontier is for), and no length
+    runs twice (4,096 comes from the doubling as well as from that first probe)."""
+    from fasttrain.bench.config import Contender
+
+    limits, calls = {"reference": 4100, "fasttrain": 40000}, []
+
+    def fake_probe(config, contender, length, budget, workdir):
+        calls.append((contender.name, length))
+        return Probe(length, length <= limits[contender.name], peak_bytes=length)
+
+    monkeypatch.setattr(frontier, "probe", fake_probe)
+    config = type("Config", (), {"seq_len": 512})()
+    contenders = [Contender("fasttrain", "fasttrain"), Contender("reference", "reference")]
+    found = frontier.run_frontier(config, contenders, 2**30, 65536, lambda found: None)
+    assert list(found) == ["reference", "fasttrain"]
+    assert calls[:5] == [("reference", n) for n in (512, 1024, 2048, 4096, 8192)]
+    best = frontier.longest(found["reference"]).length
+    assert best == 4096 and calls[calls.index(("fasttrain", 512)) - 1] == ("fasttrain", best)
+    assert len(calls) == len(set(calls)) and [p.length for p in found["fasttrain"]].count(best) == 1
+    assert frontier.longest(found["fasttrain"]).length == 38912
+
+
 def test_parse_size():
     assert frontier.parse_size("20GiB") == 20 * 2**30
     assert frontier.parse_size("20G") == 20 * 2**30

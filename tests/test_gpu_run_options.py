@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "benchmarks" / "gpu" / "run.sh"
 KERNELS = ["tests", "adamw", "loss", "loss-trl", "loss-speculation"]
 TRAINING = ["gpu-e2e", "gpu-packing", "gpu-sft", "gpu-dpo", "gpu-grpo"]
-GPU_STEPS = ["install", "provenance", *KERNELS, *TRAINING]
+GPU_STEPS = ["install", "provenance", *KERNELS, *TRAINING, "gpu-frontier"]
 # Stands in for Python: logs its parent (timeout's command line) and its arguments; the provenance step is real
 FAKE_PYTHON = """#!/usr/bin/env bash
 echo "$(ps -ww -o args= -p $PPID) :: $*" >> "$FAKE_LOG"
@@ -52,7 +52,8 @@ def test_gpu_caps_plus_kill_grace_fit_ten_minutes_per_half():
     assert list(caps) == GPU_STEPS and status == 0  # every step of the GPU run has a cap and is counted
     shared = caps["install"] + caps["provenance"]
     assert halves == {"kernels": shared + sum(caps[name] for name in KERNELS),
-                      "training": shared + sum(caps[name] for name in TRAINING)}  # fmt: skip
+                      "training": shared + sum(caps[name] for name in TRAINING),
+                      "frontier": shared + caps["gpu-frontier"]}  # fmt: skip
     assert (
         max(halves.values()) <= 570 < sum(caps.values())
     )  # each half fits one 10-minute call, the whole does not
@@ -96,6 +97,7 @@ def test_a_failed_or_timed_out_step_is_recorded_and_the_rest_run(tmp_path):
             parents,
         )
     assert "--preset gpu-grpo --no-progress --json" in "\n".join(calls)
+    assert f"--preset cuda-frontier --no-progress --json {out}/gpu-frontier.json" in "\n".join(calls)
     assert "-m cuda" in "\n".join(calls) and "--collect-only" not in "\n".join(calls)
     tests_call = next(line for line in calls if _step_of(line) == "tests")  # each test logged as it finishes
     assert f"env FASTTRAIN_TEST_LOG={out}/tests.tsv " in tests_call, tests_call
@@ -112,8 +114,8 @@ def _step_of(call: str) -> str | None:
     marks = {"-m pytest": "tests", "bench_adamw.py": "adamw", "trl_sft,trl_dpo": "loss-trl",
              "--name loss_speculation": "loss-speculation", "bench_loss.py": "loss"}  # fmt: skip
     preset = re.search(r"--preset (\S+)", call)
-    if preset:
-        return preset.group(1)
+    if preset:  # the frontier step runs `fasttrain bench --frontier`'s own CUDA preset
+        return {"cuda-frontier": "gpu-frontier"}.get(preset.group(1), preset.group(1))
     return next((step for mark, step in marks.items() if mark in call.split(" :: ")[-1]), None)
 
 
@@ -129,14 +131,14 @@ def test_smoke_collects_the_tests_and_compiles_for_sm90(tmp_path):
 
 
 def test_the_halves_run_their_own_steps_into_one_table(tmp_path):
-    """--part kernels, then --part training into the same DIR: each runs its own steps, the table keeps both."""
-    for part, expected in (("kernels", KERNELS), ("training", [*KERNELS, *TRAINING])):
+    """--part kernels, training, then frontier into the same DIR: each runs its own steps, the table keeps all."""
+    seen = 0
+    for part, own in (("kernels", KERNELS), ("training", TRAINING), ("frontier", ["gpu-frontier"])):
         _, out, calls = _fake_run(tmp_path, "--part", part)
-        steps = [line.split("\t")[0] for line in (out / "steps.tsv").read_text().splitlines()]
-        assert [name for name in steps if name != "provenance"] == expected, (part, steps)
-    assert not any(_step_of(line) in KERNELS for line in calls[-len(TRAINING) - 1 :]), (
-        calls
-    )  # training ran alone
+        assert {_step_of(line) for line in calls[seen:]} - {None} == set(own), (part, calls[seen:])  # alone
+        seen = len(calls)
+    steps = [line.split("\t")[0] for line in (out / "steps.tsv").read_text().splitlines()]
+    assert [name for name in steps if name != "provenance"] == [*KERNELS, *TRAINING, "gpu-frontier"], steps
 
 
 def test_the_commit_reaches_a_copy_without_git(tmp_path):

@@ -2,8 +2,8 @@
 # The GPU proof in one call on one NVIDIA GPU: the tests marked `cuda`, the kernel benchmarks and the trainings,
 # each step under its own cap. How it works and each option: docs/contributing.md, "The GPU proof".
 #
-#   bash benchmarks/gpu/run.sh --out DIR [--archive FILE.tar.gz] [--part kernels|training] [--smoke] [--wheels DIR]
-#                              [--budget]
+#   bash benchmarks/gpu/run.sh --out DIR [--archive FILE.tar.gz] [--part kernels|training|frontier] [--smoke]
+#                              [--wheels DIR] [--budget]
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 command_line="bash benchmarks/gpu/run.sh $*"
@@ -22,7 +22,7 @@ while [ $# -gt 0 ]; do
             exit 2 ;;
     esac
 done
-case "$part" in "" | kernels | training) ;; *) echo "run.sh: --part is kernels or training, not $part" >&2; exit 2 ;; esac
+case "$part" in "" | kernels | training | frontier) ;; *) echo "run.sh: --part is kernels, training or frontier, not $part" >&2; exit 2 ;; esac
 
 # Caps in seconds: on one H200, then --smoke (2 shared CPU cores, Triton interpreted). On the GPU each half's caps
 # plus grace stay within 570 s, so that a half with its start-up and archiving ends within 10 minutes. The benchmarks'
@@ -51,18 +51,19 @@ gpu-packing      training  80 400
 gpu-sft          training  50 300
 gpu-dpo          training  50 300
 gpu-grpo         training  45 300
+gpu-frontier     frontier 480 400
 EOF
 
 if [ "$budget" = 1 ]; then
-    declare -A total=([kernels]=0 [training]=0)
+    declare -A total=([kernels]=0 [training]=0 [frontier]=0)
     for name in "${steps[@]}"; do
         printf '%-17s %-8s %4d s + %d s grace\n' "$name" "${half[$name]}" "${cap[$name]}" "$grace"
-        for which in kernels training; do
+        for which in kernels training frontier; do
             [ "${half[$name]}" = both ] || [ "${half[$name]}" = "$which" ] && total[$which]=$((total[$which] + cap[$name] + grace))
         done
     done
     fits=1
-    for which in kernels training; do
+    for which in kernels training frontier; do
         [ -z "$part" ] || [ "$part" = "$which" ] || continue
         printf 'half %-12s %4d s (limit 570 s)\n' "$which" "${total[$which]}"
         [ "${total[$which]}" -le 570 ] || fits=0
@@ -134,9 +135,9 @@ kernel_lane() {
     step loss-speculation "$python" benchmarks/bench_loss.py --out "$out" --name loss_speculation --cases speculation,trl_sft_speculation,trl_lora_speculation "${speculation[@]}"
 }
 training_lane() {
-    for name in gpu-e2e gpu-packing gpu-sft gpu-dpo gpu-grpo; do
-        step "$name" "$python" -m fasttrain bench --preset "$name" "${preset[@]}" --no-progress \
-            --json "$out/$name.json" --markdown "$out/$name.md"
+    for name in gpu-e2e gpu-packing gpu-sft gpu-dpo gpu-grpo gpu-frontier; do  # the last: --frontier's own preset
+        step "$name" "$python" -m fasttrain bench --preset "${name/gpu-frontier/cuda-frontier}" "${preset[@]}" \
+            --no-progress --json "$out/$name.json" --markdown "$out/$name.md"
     done
 }
 if [ "$smoke" = 1 ] && [ -z "$archive" ]; then

@@ -100,8 +100,7 @@ def probe(config: BenchConfig, contender: Contender, length: int, budget: int, w
         raise
     if result is None:
         return Probe(length, False, peak, why=why)
-    losses = [x for x in result["losses"] if x is not None]
-    loss = losses[-1] if losses else None
+    loss = next((x for x in reversed(result["losses"]) if x is not None), None)  # the last logged
     return Probe(length, why is None, peak, result["tokens_per_s"], result["step_time_s"], loss, why)
 
 
@@ -137,12 +136,15 @@ def run_frontier(
     max_length: int,
     on_probe: Callable[[Found], None],
 ) -> Found:
-    """Every contender's probes (search, then one at the reference's longest length where it did not run);
-    ``on_probe(found)`` after each. What it probes is said on stderr."""
-    found: Found = {c.name: [] for c in contenders}
+    """Every contender's probes, the reference's first; the others start at its longest (their peak ratio kept
+    if a time cap stops the search), a length probed once; ``on_probe(found)`` after each, said on stderr."""
+    ordered = sorted(contenders, key=lambda c: c.name != REFERENCE)  # stable: the others keep their order
+    found: Found = {c.name: [] for c in ordered}
     with tempfile.TemporaryDirectory(prefix="fasttrain-frontier-") as workdir:
 
         def run(contender: Contender, length: int) -> Probe:
+            if done := next((p for p in found[contender.name] if p.length == length), None):
+                return done
             print(f"fasttrain bench --frontier: {contender.name} at {length} tokens ...", file=sys.stderr)
             result = probe(config, contender, length, budget, workdir)
             peak = "-" if result.peak_bytes is None else f"{result.peak_bytes / 2**30:.2f} GiB"
@@ -151,18 +153,14 @@ def run_frontier(
             on_probe(found)
             return result
 
-        for contender in contenders:
+        for contender in ordered:
+            best = longest(found.get(REFERENCE, []))
             try:
+                if best is not None and contender.name != REFERENCE:
+                    run(contender, best.length)
                 search(functools.partial(run, contender), config.seq_len, max_length)
             except RunFailed as exc:  # not a memory verdict: recorded, and the other contenders go on
                 found[contender.name].append(Probe(0, False, why=f"crashed: {exc}"))
-        best = longest(found.get(REFERENCE, []))
-        for contender in contenders if best is not None else []:
-            if all(p.length != best.length for p in found[contender.name]):
-                try:
-                    run(contender, best.length)
-                except RunFailed as exc:
-                    found[contender.name].append(Probe(best.length, False, why=f"crashed: {exc}"))
     return found
 
 

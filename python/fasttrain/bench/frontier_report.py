@@ -93,14 +93,14 @@ def frontier_bench(
             report.write_json(args.json, data)
         if args.markdown:
             report.write_text(args.markdown, markdown(config, data))
+        if args.plot:
+            plot(args.plot, config, data)
         return data
 
     data = write(
         run_frontier(config, contenders, budget, max_length, lambda found: write(found, False)), True
     )
     print("\n".join([*describe(config, data), "", *report._aligned(*rows(data))]))
-    if args.plot:
-        plot(args.plot, config, data)
     crashed = {n: r["crashed"] for n, r in data["summary"]["contenders"].items() if r["crashed"]}
     for name, why in crashed.items():
         print(f"fasttrain bench: {name}: {why}", file=sys.stderr)

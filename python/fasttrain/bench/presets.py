@@ -126,10 +126,11 @@ PRESETS: dict[str, Preset] = {
          "memory_budget": "12GiB"},
         _FRONTIER_TWIN,
     ),
+    # on cuda a 24 GB card's memory: ~8 min on an H200 (its whole memory: steps of tens of minutes, docs/usage.md)
     "cuda-frontier": Preset(
         "--frontier on cuda: qwen3-0.6b, bf16, one optimizer step at batch 1 with gradient checkpointing, "
-        "lengths from 4096 doubled up to 524288 then bisected to within 10%",
-        {**_FRONTIER, **_CUDA_SHAPE, "seq_len": 4096, "max_length": 524288},
+        "lengths from 4096 doubled up to 262144 then bisected to within 10%, budget 24 GiB",
+        {**_FRONTIER, **_CUDA_SHAPE, "seq_len": 4096, "max_length": 262144, "memory_budget": "24GiB"},
         _FRONTIER_TWIN,
     ),
 }
