@@ -26,7 +26,7 @@ _RL_TWIN = {**_TINY_CPU, "lengths": "lognormal", "steps": 2, "warmup_steps": 1, 
 _CUDA_SHAPE = {"device": "cuda", "model": "qwen3-0.6b", "bf16": True}
 _FRONTIER = {**_COMMON, "model": "qwen3-0.6b", "lengths": "full", "batch_size": 1, "steps": 1,
              "warmup_steps": 0, "repeats": 1, "gradient_checkpointing": True, "frontier": True}  # fmt: skip
-_FRONTIER_TWIN = {**_FRONTIER, **_TINY_CPU, "seq_len": 256, "max_length": 2048}
+_FRONTIER_TWIN = {**_FRONTIER, **_TINY_CPU, "seq_len": 512, "max_length": 1024}  # 4 probes in a smoke run
 
 
 @dataclasses.dataclass(frozen=True)
