@@ -25,8 +25,11 @@ from fasttrain.bench.config import BenchConfig
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 CITING = (README, ROOT / "docs" / "measured.md")
-# "[name.md](…benchmarks/results/name.md) · `command`": a result file and the command cited beside it
-CITATION = re.compile(r"\]\((?:\.\./)?(benchmarks/results/[\w.-]+)\.md\) · `([^`]+)`")
+# "[name.md](…benchmarks/results/[dir/]name.md) · `command`": a result file and the command cited beside it (a
+# folder's README.md describes a run of several commands, not one file)
+CITATION = re.compile(
+    r"\]\((?:\.\./)?(benchmarks/results/(?:[\w.-]+/)?(?!README\.)[\w.-]+)\.md\) ·\s`([^`]+)`"
+)
 
 OFFLINE = """
 import tokenizers, torch, transformers
