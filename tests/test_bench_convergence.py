@@ -34,10 +34,7 @@ def test_files_and_curves(result):
     assert data["provenance"]["command"].startswith("python -m fasttrain.bench.convergence --preset tiny")
     assert (out / "convergence_cpu.png").stat().st_size > 1000
     runs = data["runs"]
-    expected = [
-        (m, s) for m in convergence.MODES for s in (SEEDS if m == convergence.REFERENCE else SEEDS[:1])
-    ]
-    assert [(r["mode"], r["seed"]) for r in runs] == expected
+    assert [(r["mode"], r["seed"]) for r in runs] == [(m, s) for m in convergence.MODES for s in SEEDS]
     for r in runs:
         assert [p["step"] for p in r["eval_curve"]] == [0, 3, 6]
         assert len(r["train_losses"]) == STEPS
@@ -50,7 +47,15 @@ def test_files_and_curves(result):
     low, high = data["summary"]["spread"]
     ref = [r["final_eval_loss"] for r in runs if r["mode"] == convergence.REFERENCE]
     assert (low, high) == (min(ref), max(ref))
+    by_seed = {(r["mode"], r["seed"]): r["final_eval_loss"] for r in runs}
+    assert [row["mode"] for row in data["summary"]["rows"]] == list(convergence.MODES)
     for row in data["summary"]["rows"]:
+        finals = [by_seed[row["mode"], s] for s in SEEDS]
+        assert row["final_eval_losses"] == finals and row["final_eval_loss"] == pytest.approx(sum(finals) / 2)
+        # each seed against the reference run of the same seed (same init, same data order)
+        paired = [by_seed[row["mode"], s] - by_seed[convergence.REFERENCE, s] for s in SEEDS]
+        assert row["paired_differences"] == pytest.approx(paired, abs=1e-12)
+        assert row["paired_mean"] == pytest.approx(sum(paired) / 2, abs=1e-12)
         assert row["within_reference_spread"] == (low <= row["final_eval_loss"] <= high)
         assert (row["outside_by"] == 0) == row["within_reference_spread"]
 
@@ -62,8 +67,13 @@ def test_each_mode_ran_as_named(result):
         ev, spec = r["evidence"], convergence.MODES[mode]
         assert ev["optimizer"] == ("AdamW" if spec["optimizer"] == "torch" else "FusedAdamW"), mode
         assert ev["param_dtypes"] == [f"torch.{spec['dtype']}"], mode
-        eight_bit = spec["options"].get("state_dtype") == "8bit"
-        assert (ev["uint8_state_tensors"] > 0) == eight_bit, mode
+        # the embedding's moments: 8-bit codes unless the mode keeps them apart in fp32; in the tiny shape no
+        # other tensor reaches min_8bit_size, so there are codes exactly where the embedding has them
+        embedding_8bit = spec["options"].get("state_dtype") == "8bit" and spec["embedding_state"] is None
+        assert (ev["uint8_state_tensors"] > 0) == embedding_8bit, mode
+        assert ("torch.uint8" in ev["embedding_state_dtypes"]) == embedding_8bit, mode
+        if spec["embedding_state"]:
+            assert ev["embedding_state_dtypes"] == ["torch.float32"], mode
         assert ev["stochastic_rounding"] == spec["options"].get("bf16_stochastic_rounding", False), mode
         in_backward = spec.get("in_backward", False)
         # the step in backward frees each gradient it steps: none is left once backward returns
@@ -91,3 +101,9 @@ def test_lr_schedule_and_decay_groups():
     assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim == 1 for p in rest["params"])
     assert rest["weight_decay"] == 0 and decay["weight_decay"] == convergence.WEIGHT_DECAY
     assert len(decay["params"]) + len(rest["params"]) == len(list(model.parameters()))
+    # the embedding apart: in its own group (decayed, its state dtype), in no other
+    *others, own = convergence.param_groups(model, "float32")
+    embedding = model.get_input_embeddings().weight
+    assert own["params"] == [embedding] and own["state_dtype"] == "float32" and own["weight_decay"] > 0
+    assert not any(p is embedding for g in others for p in g["params"])
+    assert sum(len(g["params"]) for g in [*others, own]) == len(list(model.parameters()))

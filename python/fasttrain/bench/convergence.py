@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import statistics
 import sys
 import time
 from typing import Any
@@ -20,20 +21,19 @@ from . import corpus, models, outputs, provenance, tokenizer
 
 # The model's shape (Qwen3's architecture, scaled to train hundreds of steps in minutes on a CPU).
 PRESETS: dict[str, dict[str, int]] = {
-    # 500 steps of 4 x 64 tokens in ~2-10 min a mode on 2 shared CPU cores. Hidden 256 x 4 layers at
-    # 4 x 256 tokens measured ~3 s a step (~25 min a run); here the 8192 x 128 embedding is most of the
-    # parameters, and on CPU the bf16 + stochastic rounding + 8-bit step (~1 s for 1.3M parameters) costs
-    # more than forward and backward
+    # 500 steps of 4 x 64 tokens: 15 s to 3 min a run on 2 idle CPU cores (hidden 256 x 4 layers at 4 x 256
+    # tokens was ~25 min); the 8192 x 128 embedding is most of the parameters
     "small": dataclasses.asdict(models.Shape(128, 2, 2, 1, 64, 384)),
     "tiny": dataclasses.asdict(models.Shape(32, 2, 2, 1, 16, 64)),  # for the test: the same code in seconds
 }
 
 
-def _mode(optimizer="fasttrain", dtype="float32", in_backward=False, **options) -> dict[str, Any]:
-    """How a mode trains. optimizer "torch": torch.optim.AdamW; "fasttrain": FusedAdamW (torch backend: this
-    is CPU) with ``options``. in_backward: the step runs inside backward, where it cannot wait for a global
-    norm to clip by (max_grad_norm 0 there)."""
-    return {"optimizer": optimizer, "dtype": dtype, "options": options, "in_backward": in_backward}
+def _mode(optimizer="fasttrain", dtype="float32", in_backward=False, embedding_state=None, **options):
+    """How a mode trains. optimizer "torch": torch.optim.AdamW; "fasttrain": FusedAdamW (torch backend) with
+    ``options``. in_backward: the step inside backward (no global norm to clip by: max_grad_norm 0 there).
+    embedding_state: the embedding's moments in this dtype (bitsandbytes' advice under 8-bit optimizers)."""
+    return {"optimizer": optimizer, "dtype": dtype, "options": options, "in_backward": in_backward,
+            "embedding_state": embedding_state}  # fmt: skip
 
 
 _SR_8BIT = {"state_dtype": "8bit", "bf16_stochastic_rounding": True}
@@ -41,6 +41,7 @@ MODES: dict[str, dict[str, Any]] = {
     "torch fp32": _mode("torch"),
     "fasttrain fp32": _mode(),
     "fasttrain 8-bit": _mode(state_dtype="8bit"),
+    "fasttrain 8-bit + fp32 embedding moments": _mode(state_dtype="8bit", embedding_state="float32"),
     "fasttrain bf16+SR+8-bit": _mode(dtype="bfloat16", **_SR_8BIT),
     "fasttrain bf16+SR+8-bit + step in backward": _mode(dtype="bfloat16", in_backward=True, **_SR_8BIT),
     "bf16 without SR": _mode(dtype="bfloat16"),  # the control: rounded to nearest, bf16 loses small updates
@@ -82,11 +83,16 @@ def build_model(shape: dict[str, int], vocab_size: int, seed: int, dtype: torch.
     return Qwen3ForCausalLM(config).to(dtype)
 
 
-def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
-    """Weight decay on matrices only (embeddings, projections), none on norms or biases."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
+def param_groups(model: torch.nn.Module, embedding_state: str | None = None) -> list[dict[str, Any]]:
+    """Weight decay on matrices only (embeddings, projections), none on norms or biases; with
+    ``embedding_state`` the embedding in a third group, its moments in that dtype."""
+    own = [model.get_input_embeddings().weight] if embedding_state else []
+    decay = [p for p in model.parameters() if p.ndim >= 2 and not any(p is e for e in own)]
     rest = [p for p in model.parameters() if p.ndim < 2]
-    return [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}]
+    if own:
+        groups.append({"params": own, "weight_decay": WEIGHT_DECAY, "state_dtype": embedding_state})
+    return groups
 
 
 def lr_factor(step: int, steps: int, warmup: int) -> float:
@@ -115,9 +121,11 @@ def _evidence(model: torch.nn.Module, opt: torch.optim.Optimizer, **found: Any) 
     and what the loop ``found``."""
     states = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
     sr = any(g.get("bf16_stochastic_rounding", False) for g in opt.param_groups)
+    embedding = opt.state[model.get_input_embeddings().weight].values()
     return {"optimizer": type(opt).__name__, "stochastic_rounding": sr,
             "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
             "state_dtypes": sorted({str(v.dtype) for v in states}),
+            "embedding_state_dtypes": sorted({str(v.dtype) for v in embedding if torch.is_tensor(v)}),
             "uint8_state_tensors": sum(v.dtype == torch.uint8 for v in states), **found}  # fmt: skip
 
 
@@ -134,7 +142,8 @@ def run(mode: str, seed: int, train: torch.Tensor, held_out: torch.Tensor, vocab
     if spec["optimizer"] == "torch":
         opt: torch.optim.Optimizer = torch.optim.AdamW(param_groups(model), lr=a.lr, foreach=False)
     else:
-        opt = FusedAdamW(param_groups(model), lr=a.lr, backend="torch", **spec["options"])
+        groups = param_groups(model, spec["embedding_state"])
+        opt = FusedAdamW(groups, lr=a.lr, backend="torch", **spec["options"])
     warmup = max(1, a.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, a.steps, warmup))
     handle = step_in_backward(opt) if spec["in_backward"] else None
@@ -176,19 +185,22 @@ def run(mode: str, seed: int, train: torch.Tensor, held_out: torch.Tensor, vocab
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each mode's seed-0 final eval loss against the reference's seed spread [min, max]."""
-    ref = [r["final_eval_loss"] for r in runs if r["mode"] == REFERENCE]
-    low, high = (min(ref), max(ref)) if ref else (math.nan, math.nan)
+    """Each mode's mean final eval loss over its seeds against the reference's seed spread [min, max], and its
+    difference from the reference run of the same seed (the same init and data order), seed by seed."""
+    ref = {r["seed"]: r["final_eval_loss"] for r in runs if r["mode"] == REFERENCE}
+    low, high = (min(ref.values()), max(ref.values())) if ref else (math.nan, math.nan)
     rows = []
-    for r in runs:
-        if r["mode"] == REFERENCE and r["seed"] != min(x["seed"] for x in runs if x["mode"] == REFERENCE):
-            continue
-        loss = r["final_eval_loss"]
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        mine = [r for r in runs if r["mode"] == mode]
+        loss = statistics.fmean(r["final_eval_loss"] for r in mine)
+        paired = [r["final_eval_loss"] - ref[r["seed"]] for r in mine if r["seed"] in ref]
         # how far outside the band (0 inside), signed: positive is worse (higher loss) than the worst seed
         outside = loss - high if loss > high else (loss - low if loss < low else 0.0)
-        rows.append({"mode": r["mode"], "seed": r["seed"], "final_eval_loss": loss,
+        rows.append({"mode": mode, "seeds": [r["seed"] for r in mine], "final_eval_loss": loss,
+                     "final_eval_losses": [r["final_eval_loss"] for r in mine], "paired_differences": paired,
+                     "paired_mean": statistics.fmean(paired) if paired else math.nan,
                      "within_reference_spread": low <= loss <= high, "outside_by": outside,
-                     "tokens_per_s": r["tokens_per_s"]})  # fmt: skip
+                     "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine)})  # fmt: skip
     return {"reference": REFERENCE, "reference_seeds": len(ref), "spread": [low, high], "rows": rows}
 
 
@@ -197,11 +209,14 @@ def markdown(result: dict[str, Any]) -> list[str]:
     s, args = result["summary"], result["args"]
     low, high = s["spread"]
     table = [
-        [r["mode"], f"{r['final_eval_loss']:.4f}", "yes" if r["within_reference_spread"] else "no",
-         f"{r['outside_by']:+.4f}", f"{r['tokens_per_s']:,.0f}"]
+        [r["mode"], " / ".join(f"{x:.4f}" for x in r["final_eval_losses"]), f"{r['final_eval_loss']:.4f}",
+         "yes" if r["within_reference_spread"] else "no", f"{r['outside_by']:+.4f}",
+         " / ".join(f"{x:+.4f}" for x in r["paired_differences"]), f"{r['paired_mean']:+.4f}",
+         f"{r['tokens_per_s']:,.0f}"]
         for r in s["rows"]
     ]  # fmt: skip
-    header = ["mode", "final eval loss", "within the spread?", "outside by", "tokens/s"]
+    header = ["mode", "final eval loss by seed", "mean", "mean within the spread?", "outside by",
+              f"minus {REFERENCE}, same seed", "mean difference", "tokens/s (median)"]  # fmt: skip
     return [
         f"Qwen3ForCausalLM {result['shape']} (tied embeddings, vocab {result['vocab_size']}, "
         f"{result['parameters']:,} parameters), random init; {args['steps']} optimizer steps of "
@@ -210,15 +225,13 @@ def markdown(result: dict[str, Any]) -> list[str]:
         f"{WEIGHT_DECAY} on matrices, clip {MAX_GRAD_NORM} (max_grad_norm 0 for the step in backward). "
         f"Eval loss in fp32 on {result['eval_rows']} held-out rows (documents not trained on) every "
         f"{args['eval_every']} steps. Spread: {REFERENCE}'s final eval loss over seeds {args['seeds']}: "
-        f"[{low:.4f}, {high:.4f}] (width {high - low:.4f}). Other modes run seed {min(args['seeds'])}.",
+        f"[{low:.4f}, {high:.4f}] (width {high - low:.4f}). Every mode runs every seed.",
         "",
-        *outputs.md_table(header, table, "|---|---:|---|---:|---:|"),
+        *outputs.md_table(header, table, "|---|---|---:|---|---:|---|---:|---:|"),
         "",
-        "outside by: the distance to the nearest edge of the spread (positive: a higher loss than every "
-        f"{REFERENCE} seed). `bf16 without SR` is the control (bf16 weights rounded to nearest): expected to "
-        "fall behind, which shows the check can fail. tokens/s: the training loop's wall clock (eval "
-        "excluded), runs one after another on a possibly shared machine whose load moves between them (each "
-        "run's load average at its start is in the JSON): compare them loosely.",
+        "outside by: from the mean to the spread's nearest edge (positive: higher than every seed's loss). "
+        "`bf16 without SR`, the control (rounded to nearest), should fall behind: the check can fail. tokens/s: "
+        "the loop's wall clock (eval excluded) on a machine whose load moves (each run's is in the JSON).",
     ]
 
 
@@ -231,16 +244,16 @@ def plot(path: str, result: dict[str, Any]) -> None:
             ax.fill_between([p["step"] for p in ref[0]["eval_curve"]], [min(v) for v in losses],
                             [max(v) for v in losses], color="0.6", alpha=0.5,
                             label=f"{REFERENCE}, seeds {[r['seed'] for r in ref]} (min-max)")  # fmt: skip
-        others = [r for r in result["runs"] if r["mode"] != REFERENCE]
-        for i, r in enumerate(others):
-            steps, losses = zip(*[(p["step"], p["eval_loss"]) for p in r["eval_curve"]], strict=True)
-            ax.plot(steps, losses, marker=".", color=f"C{i}", label=f"{r['mode']} (seed {r['seed']})",
-                    linestyle="--" if r["mode"] == "bf16 without SR" else "-")  # fmt: skip
+        others = dict.fromkeys(r["mode"] for r in result["runs"] if r["mode"] != REFERENCE)
+        for i, mode in enumerate(others):  # each mode's mean over its seeds
+            mine = [r["eval_curve"] for r in result["runs"] if r["mode"] == mode]
+            steps = [p["step"] for p in mine[0]]
+            losses = [statistics.fmean(c[k]["eval_loss"] for c in mine) for k in range(len(steps))]
+            ax.plot(steps, losses, marker=".", color=f"C{i}", label=f"{mode} (mean of {len(mine)} seeds)",
+                    linestyle="--" if mode == "bf16 without SR" else "-")  # fmt: skip
         ax.set(xlabel="optimizer step", ylabel="eval loss (fp32, held-out)", title="eval loss per step")
-        finals = [r["final_eval_loss"] for r in result["runs"]]
-        ax.set_ylim(
-            min(finals) - 0.3, max(finals) + 1.5
-        )  # the tail, where the modes differ, not the first drop
+        finals = [r["final_eval_loss"] for r in result["runs"]]  # the tail, where the modes differ, in view
+        ax.set_ylim(min(finals) - 0.3, max(finals) + 1.5)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -249,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             ("--eval-every", 50), ("--eval-rows", 16)):  # fmt: skip
         p.add_argument(option, type=type(default), default=default)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated names of MODES")
-    p.add_argument("--seeds", default="0,1,2", help=f"the seeds of {REFERENCE}; other modes run the first",
+    p.add_argument("--seeds", default="0,1,2", help="the seeds every mode runs",
                    type=lambda text: [int(s) for s in text.split(",")])  # fmt: skip
     p.add_argument("--preset", choices=PRESETS, default="small", help="the model's shape")
     a = p.parse_args(argv)
@@ -263,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result.update(shape=shape, vocab_size=vocab, parameters=parameters, train_rows=len(train),
                   eval_rows=len(held_out), runs=[])  # fmt: skip
     for mode in modes:
-        for seed in a.seeds if mode == REFERENCE else a.seeds[:1]:
+        for seed in a.seeds:
             result["runs"].append(run(mode, seed, train, held_out, vocab, a))
             result["summary"] = summarize(result["runs"])
             # written after every run: a long run stopped early still leaves the runs it finished
