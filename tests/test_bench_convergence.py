@@ -78,7 +78,9 @@ def test_each_mode_ran_as_named(result):
         in_backward = spec.get("in_backward", False)
         # the step in backward frees each gradient it steps: none is left once backward returns
         assert ev["grads_after_first_backward"] is not in_backward, mode
-        assert ev["max_grad_norm"] == (0.0 if in_backward else convergence.MAX_GRAD_NORM), mode
+        assert spec["clip"] == (not in_backward and "without clip" not in mode), mode
+        assert ev["max_grad_norm"] == (convergence.MAX_GRAD_NORM if spec["clip"] else 0.0), mode
+        assert ev["clipped_steps"] == (STEPS if spec["clip"] else 0), mode
         assert (ev["updates_in_backward"] > 0) == in_backward, mode
     # the tiny shape: 2 layers x 11 tensors + the final norm + the tied embedding, each stepped every step
     assert (

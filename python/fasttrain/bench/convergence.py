@@ -28,12 +28,14 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
-def _mode(optimizer="fasttrain", dtype="float32", in_backward=False, embedding_state=None, **options):
+def _mode(
+    optimizer="fasttrain", dtype="float32", in_backward=False, embedding_state=None, clip=True, **options
+):
     """How a mode trains. optimizer "torch": torch.optim.AdamW; "fasttrain": FusedAdamW (torch backend) with
     ``options``. in_backward: the step inside backward (no global norm to clip by: max_grad_norm 0 there).
     embedding_state: the embedding's moments in this dtype (bitsandbytes' advice under 8-bit optimizers)."""
     return {"optimizer": optimizer, "dtype": dtype, "options": options, "in_backward": in_backward,
-            "embedding_state": embedding_state}  # fmt: skip
+            "embedding_state": embedding_state, "clip": clip and not in_backward}  # fmt: skip
 
 
 _SR_8BIT = {"state_dtype": "8bit", "bf16_stochastic_rounding": True}
@@ -44,6 +46,14 @@ MODES: dict[str, dict[str, Any]] = {
     "fasttrain 8-bit + fp32 embedding moments": _mode(state_dtype="8bit", embedding_state="float32"),
     "fasttrain bf16+SR+8-bit": _mode(dtype="bfloat16", **_SR_8BIT),
     "fasttrain bf16+SR+8-bit + step in backward": _mode(dtype="bfloat16", in_backward=True, **_SR_8BIT),
+    # what the step in backward changes is the clip: the same without it, and with the embedding's moments apart
+    "fasttrain 8-bit without clip": _mode(state_dtype="8bit", clip=False),
+    "fasttrain 8-bit + fp32 embedding moments without clip": _mode(
+        state_dtype="8bit", embedding_state="float32", clip=False
+    ),
+    "fasttrain bf16+SR+8-bit + fp32 embedding moments + step in backward": _mode(
+        dtype="bfloat16", in_backward=True, embedding_state="float32", **_SR_8BIT
+    ),
     "bf16 without SR": _mode(dtype="bfloat16"),  # the control: rounded to nearest, bf16 loses small updates
 }
 REFERENCE = "torch fp32"
@@ -151,7 +161,7 @@ def run(mode: str, seed: int, train: torch.Tensor, held_out: torch.Tensor, vocab
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
     curve = [{"step": 0, "eval_loss": eval_loss(model, held_out, a.batch_size)}]
     train_losses: list[float] = []
-    train_seconds = 0.0
+    train_seconds, clipped = 0.0, 0  # clipped: the steps whose gradients went through a clip
     for step in range(a.steps):
         batch = train[order[(step * a.batch_size + torch.arange(a.batch_size)) % len(train)]]
         start = time.perf_counter()
@@ -159,10 +169,10 @@ def run(mode: str, seed: int, train: torch.Tensor, held_out: torch.Tensor, vocab
         loss.backward()
         if step == 0:  # whether any gradient survived backward (step in backward frees each one it steps)
             grads_after_first_backward = any(p.grad is not None for p in model.parameters())
-        if handle is None and isinstance(opt, FusedAdamW):
-            opt.defer_clip_grad_norm_(MAX_GRAD_NORM)  # fused into the step
-        elif handle is None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        if spec["clip"] and isinstance(opt, FusedAdamW):
+            clipped += opt.defer_clip_grad_norm_(MAX_GRAD_NORM) is not None  # fused into the step
+        elif spec["clip"]:
+            clipped += torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM) is not None
         # in backward mode a no-op: every parameter was stepped (and its gradient freed) in backward
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -174,7 +184,8 @@ def run(mode: str, seed: int, train: torch.Tensor, held_out: torch.Tensor, vocab
             print(f"  {mode} seed {seed} step {step + 1}: eval {curve[-1]['eval_loss']:.4f}", file=sys.stderr)
     evidence = _evidence(
         model, opt, grads_after_first_backward=grads_after_first_backward,
-        max_grad_norm=0.0 if handle else MAX_GRAD_NORM, updates_in_backward=handle.updates if handle else 0,
+        max_grad_norm=MAX_GRAD_NORM if spec["clip"] else 0.0, clipped_steps=clipped,
+        updates_in_backward=handle.updates if handle else 0,
     )  # fmt: skip
     if handle:
         handle.remove()
@@ -222,7 +233,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
         f"{result['parameters']:,} parameters), random init; {args['steps']} optimizer steps of "
         f"{args['batch_size']} x {args['seq_len']} tokens of stdlib source (built-in BPE), lr {args['lr']} "
         f"(linear warm-up {max(1, args['steps'] // 20)} steps, cosine to {MIN_LR_RATIO:g}x), weight decay "
-        f"{WEIGHT_DECAY} on matrices, clip {MAX_GRAD_NORM} (max_grad_norm 0 for the step in backward). "
+        f"{WEIGHT_DECAY} on matrices, clip {MAX_GRAD_NORM} (none in backward or 'without clip'). "
         f"Eval loss in fp32 on {result['eval_rows']} held-out rows (documents not trained on) every "
         f"{args['eval_every']} steps. Spread: {REFERENCE}'s final eval loss over seeds {args['seeds']}: "
         f"[{low:.4f}, {high:.4f}] (width {high - low:.4f}). Every mode runs every seed.",
