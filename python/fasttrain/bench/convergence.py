@@ -32,7 +32,8 @@ def _mode(
     optimizer="fasttrain", dtype="float32", in_backward=False, embedding_state=None, clip=True, **options
 ):
     """How a mode trains. optimizer "torch": torch.optim.AdamW; "fasttrain": FusedAdamW (torch backend) with
-    ``options``. in_backward: the step inside backward (no global norm to clip by: max_grad_norm 0 there).
+    ``options``. in_backward: the step inside backward. clip: by the global norm (MAX_GRAD_NORM); never with
+    in_backward, which has no global norm before the first update (max_grad_norm 0 there).
     embedding_state: the embedding's moments in this dtype (bitsandbytes' advice under 8-bit optimizers)."""
     return {"optimizer": optimizer, "dtype": dtype, "options": options, "in_backward": in_backward,
             "embedding_state": embedding_state, "clip": clip and not in_backward}  # fmt: skip
@@ -169,10 +170,11 @@ def run(mode: str, seed: int, train: torch.Tensor, held_out: torch.Tensor, vocab
         loss.backward()
         if step == 0:  # whether any gradient survived backward (step in backward frees each one it steps)
             grads_after_first_backward = any(p.grad is not None for p in model.parameters())
+        clipped += spec["clip"]
         if spec["clip"] and isinstance(opt, FusedAdamW):
-            clipped += opt.defer_clip_grad_norm_(MAX_GRAD_NORM) is not None  # fused into the step
+            opt.defer_clip_grad_norm_(MAX_GRAD_NORM)  # fused into the step
         elif spec["clip"]:
-            clipped += torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM) is not None
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
         # in backward mode a no-op: every parameter was stepped (and its gradient freed) in backward
         opt.step()
         opt.zero_grad(set_to_none=True)

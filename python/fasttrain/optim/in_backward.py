@@ -166,6 +166,11 @@ class StepInBackward:
         if self._step(p):
             p.grad = None
 
+    def _add_squares(self, squares: torch.Tensor) -> None:
+        """One gradient's float64 sum of squares into the running norm (under the lock)."""
+        prev = self._squares.get(squares.device)
+        self._squares[squares.device] = squares if prev is None else prev + squares
+
     @torch.no_grad()
     def _step(self, p: torch.Tensor) -> bool:
         """``step()``'s update of ``p`` alone, on the gradient in ``p.grad``; False (nothing done) when ``p`` is no
@@ -181,9 +186,7 @@ class StepInBackward:
             opt._check_dense(p, gi, j)
             grad = local(p.grad)
             if self._track:
-                sq = _squared_norm(grad)
-                prev = self._squares.get(sq.device)
-                self._squares[sq.device] = sq if prev is None else prev + sq
+                self._add_squares(_squared_norm(grad))
             # step()'s loop body, for this one parameter (FusedAdamW.step)
             lay = _state.init(opt.state[p], group, p, f"FusedAdamW param group {gi}, parameter {j}")
             entry = (p, salt, lay, opt._uses_triton(group, p, lay))
@@ -203,7 +206,7 @@ def _in_blocks(
     block_elements: int,
     blocks: Iterable[tuple[int, int, torch.Tensor]],
 ) -> bool:
-    """``StepInBackward.step_blocks`` (its doc), under the handle's lock."""
+    """``step_blocks_in_backward`` (its doc) with the handle that steps ``p``, under its lock."""
     opt = handle._optimizer
     _refuse_clip(opt)
     if handle.armed is not None and not handle.armed():
@@ -239,8 +242,7 @@ def _in_blocks(
 
     opt._torch_step_blocks(group, p, salt, lay, feed())
     if squares is not None:
-        prev = handle._squares.get(squares.device)
-        handle._squares[squares.device] = squares if prev is None else prev + squares
+        handle._add_squares(squares)
     handle.stepped += 1
     handle.updates += 1
     p.grad = None
@@ -263,12 +265,11 @@ def step_blocks_in_backward(
 
     What uses it: the fused head's tied weight gradient (``loss.tied_embedding``), made at the embedding's
     backward, is the one weight-sized gradient left there (0.78 GB at a 4B model's bf16 embedding)."""
-    for handle in list(_ACTIVE.values()):
-        if type(handle) is StepInBackward and not handle.removed:
-            with handle._lock:
-                if handle._where(p) is not None:
-                    return _in_blocks(handle, p, block_elements, blocks)
-    return False
+    handle = _handle_for(p)
+    if handle is None:
+        return False
+    with handle._lock:
+        return _in_blocks(handle, p, block_elements, blocks)
 
 
 def _squared_norm(grad: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
@@ -291,15 +292,19 @@ def frees_gradient_in_backward(p: torch.Tensor) -> bool:
     backward on costs memory from that point alone: the fused head computes a tied weight's gradient at the
     embedding's backward instead of at its own (``loss.tied_embedding``). Under DDP the buckets hold every gradient
     anyway (``in_backward_ddp``), so its handles do not count."""
+    handle = _handle_for(p)
+    return handle is not None and (handle.armed is None or handle.armed())
+
+
+def _handle_for(p: torch.Tensor) -> StepInBackward | None:
+    """The registered one-process handle whose optimizer holds ``p`` (an optimizer has one handle at most; DDP's
+    step buckets, not parameters, and is not one)."""
     for handle in list(_ACTIVE.values()):
-        if type(handle) is not StepInBackward or handle.removed:
-            continue
-        if handle.armed is not None and not handle.armed():
-            continue
-        with handle._lock:
-            if handle._where(p) is not None:
-                return True
-    return False
+        if type(handle) is StepInBackward and not handle.removed:
+            with handle._lock:
+                if handle._where(p) is not None:
+                    return handle
+    return None
 
 
 def step_in_backward(
