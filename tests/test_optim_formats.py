@@ -76,19 +76,30 @@ def test_blockwise8_round_trip(signed, numel):
     blockwise8.quantize_(x, codes, absmax, signed)
     assert absmax.shape == ((numel + 255) // 256,)
     y = blockwise8.dequantize(codes, absmax, signed)
-    # the stored absmax is each block's, and each element's code is the map's nearest entry: in float64 (the
-    # truth) no code is closer, up to 4 fp32 roundings of the block's scale (x / absmax and code * absmax in fp32)
     blocks = torch.nn.functional.pad(x, (0, (-numel) % 256)).view(-1, 256)
     assert torch.equal(absmax, blocks.abs().amax(1))
     scale = absmax.double().repeat_interleave(256)[:numel]
     entries = blockwise8.tables(torch.device("cpu"))[
         blockwise8.SIGNED if signed else blockwise8.UNSIGNED
     ].double()
-    best = ((x.double() / scale)[:, None] - entries[None, :]).abs().amin(1) * scale
-    assert ((y.double() - x.double()).abs() <= best + 4 * torch.finfo(torch.float32).eps * scale).all()
+    # in float64 (the truth), up to 4 fp32 roundings of the block's scale (x / absmax and code * absmax in fp32)
+    fp32 = 4 * torch.finfo(torch.float32).eps * scale
+    steps = (x.double() / scale)[:, None] - entries[None, :]
+    if signed:
+        # the first moment: no entry of the map is nearer than the stored code's
+        best = steps.abs().amin(1) * scale
+        assert ((y.double() - x.double()).abs() <= best + fp32).all()
+    else:
+        # the second moment: rounded up, to the smallest entry at or above it (never down, beyond the threshold's
+        # slack), and so never to 0 from a positive value
+        up = torch.where(steps <= 0, -steps, float("inf")).amin(1) * scale
+        slack = blockwise8.ROUND_UP_SLACK * x.double()
+        assert (y.double() >= x.double() - slack - fp32).all()
+        assert (y.double() - x.double() <= up + fp32).all()
+        assert bool((y[x > 0] > 0).all())
     if signed:
         return  # the signed map ends at -0.993: a negative extreme is not exact, and requantizing moves its block
-    # unsigned: each block's largest element is exact, and the map's entries are their own nearest codes
+    # unsigned: each block's largest element is exact, and the map's entries keep their own codes
     assert float(y.max()) == float(x.max())
     codes2, absmax2 = blockwise8.empty_state(x, signed)
     blockwise8.quantize_(y, codes2, absmax2, signed)

@@ -5,7 +5,8 @@ absmax per block of QBLOCK = 256 elements; the value of a code is ``map[code] * 
 map for ``exp_avg`` and the unsigned one for ``exp_avg_sq`` / ``max_exp_avg_sq``. Each program updates one CHUNK
 (a multiple of 256, so blocks never straddle programs) as tiles of [BLOCK // 256, 256]: a row is a block, so the
 new absmax is a row maximum and the codes are found by an 8-step branchless binary search over the map's
-midpoints (the nearest entry; ``torch.bucketize`` in the torch implementation gives the same code).
+thresholds (the nearest entry of the signed map, the next entry up of the unsigned one: see blockwise8;
+``torch.bucketize`` in the torch implementation gives the same code).
 
 The AdamW update itself is ``adamw._adam_update`` in fp32 on the dequantized moments; the parameter update uses
 those fp32 moments before they are requantized (as bitsandbytes and torchao do). Per parameter and step it moves
@@ -35,7 +36,7 @@ QBLOCK = 256
     ROW_VMAX_ABSMAX,
     ROW_STEP,
 ) = range(9)
-# rows of fasttrain.optim.blockwise8.tables(): signed map, its midpoints, unsigned map, its midpoints
+# rows of fasttrain.optim.blockwise8.tables(): signed map, its thresholds, unsigned map, its thresholds
 MAP_SIGNED: tl.constexpr = tl.constexpr(0)
 MAP_UNSIGNED: tl.constexpr = tl.constexpr(2)
 
@@ -66,11 +67,11 @@ def _quantize_store(
     inv = tl.math.div_rn(tl.full(absmax.shape, 1.0, tl.float32), tl.where(absmax > 0, absmax, 1.0))
     inv = tl.where(absmax > 0, inv, 0.0)
     y = x * inv[:, None]
-    # the number of midpoints <= y (the 256th midpoint is +inf): code of the nearest map entry
-    mids_ptr = maps_ptr + (MAP + 1) * 256
+    # the number of thresholds <= y (the 256th is +inf): the code blockwise8 rounds y to
+    thresholds_ptr = maps_ptr + (MAP + 1) * 256
     code = tl.zeros(y.shape, dtype=tl.int32)
     for s in tl.static_range(8):  # steps of 128, 64, ..., 1
-        code += tl.where(tl.load(mids_ptr + code + ((128 >> s) - 1)) <= y, 128 >> s, 0)
+        code += tl.where(tl.load(thresholds_ptr + code + ((128 >> s) - 1)) <= y, 128 >> s, 0)
     if MASKED:
         tl.store(codes_ptr + offs, code.to(tl.uint8), mask=mask)
         tl.store(absmax_ptr + blocks, absmax, mask=blocks * 256 < n)

@@ -12,10 +12,20 @@ count of leading zero bits, then linear fraction bits; it reaches down to ~1e-7 
 significant bits. The unsigned map (for ``exp_avg_sq`` and ``max_exp_avg_sq``) spends the sign bit on one more
 fraction bit. Both contain 0 and 1.0 exactly: zeros and a block's largest element survive a round trip.
 
-Quantizing ``x`` takes the nearest entry of the map to ``x / absmax`` (computed as ``x * (1 / absmax)``), found
-as the number of midpoints between consecutive entries that are ``<= x / absmax``: ``torch.bucketize`` here,
-an 8-step branchless binary search over the same midpoint table in the Triton kernel, so both backends pick
-the same code for the same fp32 input.
+Quantizing ``x`` finds the code of ``y = x / absmax`` (computed as ``x * (1 / absmax)``) as the number of entries
+of a threshold table that are ``<= y``: ``torch.bucketize`` here, an 8-step branchless binary search over the same
+table in the Triton kernel, so both backends pick the same code for the same fp32 input.
+
+- The signed map (``exp_avg``) rounds to the nearest entry: its thresholds are the midpoints between entries.
+- The unsigned map (the second moments) rounds **up**, to the smallest entry ``>= y``: a second moment is never
+  stored below its value, above all never as 0 while its element's first moment is not. Rounded to nearest, a
+  small ``v`` in a block with a large absmax becomes 0, and the update ``m / (sqrt(v) + eps)`` of that element
+  jumps by orders of magnitude: the "zero-point problem" of low-bit second moments (Li et al., Memory Efficient
+  Optimizers with 4-bit States, 2023). Measured here (``fasttrain.bench.convergence``): 8-bit moments without a
+  gradient clip, rounded to nearest, ended 0.16 above fp32 AdamW's spread over 3 seeds; rounded up, inside it.
+  Its thresholds are the entries themselves, raised by a relative 2**-20 so that an entry's own value, after the
+  fp32 roundings of ``x / absmax``, keeps its code (a dequantized state requantizes to itself), and
+  ``torch.finfo(float32).tiny`` for the zero entry (no subnormal threshold, which a GPU may flush to 0).
 
 Row blocks (the layout of FSDP2 / DTensor shards, see ``fasttrain.optim._state``): ``absmax`` may instead be 2-D,
 ``[rows, ceil(cols / BLOCK)]`` for a tensor seen as ``[rows, cols]`` (dim 0 by the product of the others): each row
@@ -54,22 +64,34 @@ def _dynamic_map(signed: bool) -> list[float]:
     return sorted(values)
 
 
+# relative: far below the maps' gaps (>= 1%), above the fp32 roundings of x / absmax
+ROUND_UP_SLACK = 2.0**-20
+
+
+def _thresholds(qmap: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Threshold ``j`` separates entries ``j`` and ``j + 1`` (module doc: midpoints for the signed map, rounding to
+    nearest; just above entry ``j`` for the unsigned map, rounding up); the 256th is ``+inf`` (the search table is a
+    power of two long, and no value is above it)."""
+    if signed:
+        below = (qmap[:-1] + qmap[1:]) / 2
+    else:
+        below = qmap[:-1] * (1.0 + ROUND_UP_SLACK)
+        below[0] = torch.finfo(torch.float32).tiny  # the zero entry: any positive normal y goes up
+    assert bool((below < qmap[1:]).all()), "a threshold at or above the next entry"
+    return torch.cat([below, torch.tensor([float("inf")])])
+
+
 @functools.cache
 def tables(device: torch.device) -> torch.Tensor:
-    """fp32 ``[4, 256]`` on ``device``: signed map, its midpoints, unsigned map, its midpoints.
-
-    Midpoint ``j`` lies between entries ``j`` and ``j + 1``; the 256th is ``+inf`` (the search table is a power of
-    two long, and no value is above it).
-    """
+    """fp32 ``[4, 256]`` on ``device``: signed map, its thresholds, unsigned map, its thresholds."""
     rows = []
     for signed in (True, False):
         qmap = torch.tensor(_dynamic_map(signed), dtype=torch.float32)
-        mids = torch.cat([(qmap[:-1] + qmap[1:]) / 2, torch.tensor([float("inf")])])
-        rows += [qmap, mids]
+        rows += [qmap, _thresholds(qmap, signed)]
     return torch.stack(rows).to(device)
 
 
-SIGNED, UNSIGNED = 0, 2  # row of a map in tables(); its midpoints are the next row
+SIGNED, UNSIGNED = 0, 2  # row of a map in tables(); its thresholds are the next row
 
 
 def zero_code(signed: bool) -> int:
@@ -147,10 +169,10 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool, dtype=to
 def quantize_(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> None:
     """Write the codes and block absmax of ``x`` (any float dtype, ``codes``' shape) into ``codes`` and ``absmax``."""
     t = tables(x.device)
-    mids = t[(SIGNED if signed else UNSIGNED) + 1, :-1]
+    thresholds = t[(SIGNED if signed else UNSIGNED) + 1, :-1]
     blocks = _blocks(x.float(), absmax)
     amax = blocks.abs().amax(dim=1)
     inv = torch.where(amax > 0, 1.0 / amax, 0.0)
-    new_codes = torch.bucketize(blocks * inv[:, None], mids, out_int32=True, right=True)
+    new_codes = torch.bucketize(blocks * inv[:, None], thresholds, out_int32=True, right=True)
     codes.copy_(_unblock(new_codes, absmax, codes.shape))
     absmax.copy_(amax.view(absmax.shape))
