@@ -370,16 +370,30 @@ def _forward(hidden, weight, bias, chunk_math: ChunkMath, plan: _Plan, needs) ->
 
 
 def _gradients(
-    hidden, weight, bias, chunk_math: ChunkMath, plan: _Plan, needs, basis, upstream: tuple, defer=None
+    hidden,
+    weight,
+    bias,
+    chunk_math: ChunkMath,
+    plan: _Plan,
+    needs,
+    basis,
+    upstream: tuple,
+    defer=None,
+    first=True,
 ) -> tuple:
     """The inputs' gradients for ``upstream`` (one per differentiable output, None where there is none): the
     forward's basis, scaled, when only output 0 has an upstream and it is the predicted one times +-2^k; else a
     second sweep that recomputes the logits. With ``defer`` (``_defer``) the weight's is not computed here (None):
-    a function that computes it, by the same operations as this path, is left on ``defer.deferred``."""
+    a function that computes it, by the same operations as this path, is left on ``defer.deferred``. ``first``:
+    the node's first backward (a later one recomputes: its basis is spent)."""
     like = (hidden, weight, bias)
     if defer is not None:
         needs = (needs[0], False, needs[2])
-    if basis is not None and upstream[0] is not None and all(g is None for g in upstream[1:]):
+    # Without the deferral this backward would scale a basis wherever an upstream is predicted, the weight's
+    # included: with it, the forward may have had nothing else to fold (the hidden states need no gradient), and
+    # the weight's gradient must still be the basis' formula (replayed), not the recompute's, to be the same bits.
+    basis_path = basis is not None or (defer is not None and first and plan.predicted is not None)
+    if basis_path and upstream[0] is not None and all(g is None for g in upstream[1:]):
         exact = _exact_ratio(upstream[0], chunk_math.valid, plan.predicted)
         if exact is not None:
             ratio, value = exact
@@ -389,7 +403,8 @@ def _gradients(
                 replay = chunk_math.replay_chunk  # type: ignore[attr-defined]  # _defer checked it
                 _leave(defer, hidden, weight, bias, plan, ratio,
                        lambda logits, lo, hi, scratch: replay(logits, lo, hi, plan.predicted, scratch))  # fmt: skip
-            return basis.finish(ratio, like)
+            # no basis: the forward folded nothing (every other input needs no gradient)
+            return basis.finish(ratio, like) if basis is not None else (None, None, None)
 
     def recompute(logits, lo, hi, scratch):
         return chunk_math.backward_chunk(logits, lo, hi, upstream, scratch)
@@ -451,6 +466,7 @@ class _ChunkedHead(torch.autograd.Function):
         ctx.basis, outputs = _forward(hidden, weight, bias, chunk_math, plan, basis_needs)
         ctx.save_for_backward(hidden, weight, bias)
         ctx.chunk_math, ctx.plan, ctx.needs, ctx.defer = chunk_math, plan, needs, defer
+        ctx.first = True
         ctx.mark_non_differentiable(*outputs[chunk_math.n_differentiable :])
         return outputs
 
@@ -458,11 +474,12 @@ class _ChunkedHead(torch.autograd.Function):
     def backward(ctx, *upstream):  # type: ignore[override]
         hidden, weight, bias = ctx.saved_tensors
         basis, ctx.basis = ctx.basis, None  # used at most once: a second backward recomputes
+        first, ctx.first = ctx.first, False
         upstream = upstream[: ctx.chunk_math.n_differentiable]
         if all(g is None for g in upstream):
             return None, None, None, None, None
         grads = _gradients(
-            hidden, weight, bias, ctx.chunk_math, ctx.plan, ctx.needs, basis, upstream, ctx.defer
+            hidden, weight, bias, ctx.chunk_math, ctx.plan, ctx.needs, basis, upstream, ctx.defer, first
         )
         if ctx.defer is not None:
             ctx.defer.pending()
