@@ -132,7 +132,35 @@ def test_model_frontier_runs_each_setting_and_reports_bytes_per_parameter(tmp_pa
     assert set(rows) == {"reference-fp32", "fasttrain-lean"} and all(r["fits"] for r in rows.values())
     assert "stepping in backward" in rows["fasttrain-lean"]["optimizer"]
     assert rows["reference-fp32"]["optimizer"] is None  # the reference Trainer has no fasttrain status
+    assert rows["reference-fp32"]["optimizer_class"] == "torch.optim.adamw.AdamW"
+    assert rows["fasttrain-lean"]["optimizer_class"] == "fasttrain.optim.adamw.FusedAdamW"
     for r in rows.values():
         assert r["bytes_per_parameter"] == r["peak_bytes"] / r["parameters"] and len(r["losses"]) == 2
     assert data["provenance"]["command"].startswith("python -m fasttrain.bench.model_frontier")
     assert (tmp_path / "model_frontier_cpu.png").stat().st_size > 0
+
+
+def test_a_contenders_optimizer_reaches_the_training_arguments():
+    """The model-size frontier's reference with bitsandbytes' 8-bit AdamW trains with optim=adamw_bnb_8bit (the
+    Trainer's name for it); a contender that names none keeps the Trainer's default."""
+    from fasttrain.bench.config import BenchConfig, training_kwargs
+    from fasttrain.bench.presets import MODEL_FRONTIER
+
+    config = BenchConfig(model="tiny", dataset="default", device="cpu", steps=2, seq_len=32, batch_size=1,
+                         grad_accum=1, bf16=True, seed=0, threads=1, learning_rate=1e-4, warmup_steps=0,
+                         group_by_length=False)  # fmt: skip
+    eight_bit = MODEL_FRONTIER["reference-bf16-8bit"][0]
+    assert training_kwargs(config, eight_bit, "out", object)["optim"] == "adamw_bnb_8bit"
+    assert "optim" not in training_kwargs(config, MODEL_FRONTIER["reference-bf16"][0], "out", object)
+
+
+def test_model_frontier_says_which_package_a_contender_lacks(tmp_path, monkeypatch, capsys):
+    from fasttrain.bench import model_frontier
+
+    monkeypatch.setattr(model_frontier, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit) as exit_:
+        model_frontier.main(["--contenders", "reference-bf16,reference-bf16-8bit", "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    said = capsys.readouterr().err
+    assert "reference-bf16-8bit trains with adamw_bnb_8bit: pip install bitsandbytes" in said
+    assert not list(tmp_path.iterdir())  # refused before any run or result file

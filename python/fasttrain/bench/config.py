@@ -69,6 +69,10 @@ class BenchConfig:
         return cls(**data)
 
 
+# The optimizers a contender may name (Contender.optim) that need a package the environment may lack
+OPTIM_PACKAGES = {"adamw_bnb_8bit": "bitsandbytes"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Contender:
     """One side of the comparison: which Trainer, and which hot paths are switched off (ablations)."""
@@ -78,6 +82,7 @@ class Contender:
     disable: str | None = None  # FASTTRAIN_DISABLE for the child
     # FASTTRAIN_OPTIM_ARGS for the child: FusedAdamW's options (optim/options.py)
     optim_args: str | None = None
+    optim: str | None = None  # TrainingArguments.optim, where not the Trainer's default (OPTIM_PACKAGES)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -118,4 +123,6 @@ def training_kwargs(config: BenchConfig, contender: Contender, output_dir: str, 
         kwargs.update({"train_sampling_strategy": "group_by_length"} if new else {"group_by_length": True})
     if contender.trainer == LIGER:
         kwargs["use_liger_kernel"] = True
+    if contender.optim:
+        kwargs["optim"] = contender.optim
     return kwargs

@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from importlib.util import find_spec
 
 from . import models, outputs
-from .config import BenchConfig
+from .config import OPTIM_PACKAGES, BenchConfig
 from .frontier import budget_for, under_budget
 from .presets import MODEL_FRONTIER as CONTENDERS
 from .runner import RunFailed
@@ -38,6 +39,7 @@ def run(name: str, shape: str, seq_len: int, budget: int, workdir: str) -> dict:
     if result is not None:  # it ran to its end (and may not fit yet: its high-water mark passed the budget)
         row.update(bytes_per_parameter=peak / parameters, losses=result["losses"])
         row.update(step_time_s=result["step_time_s"], optimizer=result["hot_paths"].get("optimizer"))
+        row.update(optimizer_class=result["optimizer_class"])
     return {**row, "why": why}
 
 
@@ -86,8 +88,17 @@ def main(argv: list[str] | None = None) -> None:
     chosen = [c.strip() for c in a.contenders.split(",")]
     if unknown := [c for c in chosen if c not in CONTENDERS]:
         p.error(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
+    # a contender's optimizer from a package this environment lacks: said now, not as a crash per shape
+    needed = {c: OPTIM_PACKAGES[o] for c in chosen if (o := CONTENDERS[c][0].optim) in OPTIM_PACKAGES}
+    if missing := [f"{c} trains with {CONTENDERS[c][0].optim}: pip install {pkg}" for c, pkg in needed.items()
+                   if not find_spec(pkg)]:  # fmt: skip
+        p.error("; ".join(missing))
     budget = budget_for("cpu", a.memory_budget)
-    result = {**outputs.start(a, argv, "model_frontier_cpu"), "budget_bytes": budget, "rows": []}
+    result = {
+        **outputs.start(a, argv, "model_frontier_cpu", *sorted(set(needed.values()))),
+        "budget_bytes": budget,
+        "rows": [],
+    }
 
     def save(complete: bool) -> str:
         result["complete"] = complete

@@ -60,13 +60,13 @@ def parser(doc: str, stem: str) -> argparse.ArgumentParser:
     return p
 
 
-def start(a: argparse.Namespace, argv: list[str] | None, stem: str) -> dict[str, Any]:
+def start(a: argparse.Namespace, argv: list[str] | None, stem: str, *packages: str) -> dict[str, Any]:
     """A result's opening: its name, its provenance (the command as typed; ``stem`` is the module's name
-    + _cpu) and its arguments. --out is made."""
+    + _cpu; the versions of ``packages`` too) and its arguments. --out is made."""
     command = ["python", "-m", f"fasttrain.bench.{stem.removesuffix('_cpu')}"]
     command += sys.argv[1:] if argv is None else argv
     a.out.mkdir(parents=True, exist_ok=True)
-    origin = provenance.record(command_line=shlex.join(command))
+    origin = provenance.record(*packages, command_line=shlex.join(command))
     return {"benchmark": stem, "provenance": origin, "args": {**vars(a), "out": str(a.out)}}
 
 

@@ -144,6 +144,9 @@ MODEL_FRONTIER: dict[str, tuple[Contender, bool, float | None, str]] = {
     "reference-fp32": (Contender("reference-fp32", REFERENCE), False, None,
                        "fp32 weights, adamw_torch_fused"),
     "reference-bf16": (Contender("reference-bf16", REFERENCE), True, None, "bf16 weights, adamw_torch_fused"),
+    # what a reference user short of memory picks: bitsandbytes' 8-bit AdamW (it runs on CPU)
+    "reference-bf16-8bit": (Contender("reference-bf16-8bit", REFERENCE, optim="adamw_bnb_8bit"), True, None,
+                            "bf16 weights, bitsandbytes' 8-bit AdamW (optim adamw_bnb_8bit)"),
     "fasttrain-fp32": (Contender("fasttrain-fp32", FASTTRAIN), False, None, "fp32 weights, FusedAdamW"),
     "fasttrain-8bit": (Contender("fasttrain-8bit", FASTTRAIN, optim_args="state_dtype=8bit"), False, None,
                        "fp32 weights, 8-bit moments"),

@@ -20,6 +20,10 @@ from .config import FASTTRAIN, BenchConfig, Contender, dump
 from .runner import resident_bytes
 
 
+def _qualified(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
 def _tokenizer_for(config: BenchConfig):
     """The model's own tokenizer when it has one (local directory or hub id), else the built-in stdlib BPE."""
     from . import models, tokenizer
@@ -244,7 +248,9 @@ def run(config: BenchConfig, contender: Contender, progress_path: str | None = N
     result: dict[str, Any] = {
         "contender": contender.name,
         "trainer": contender.trainer,
-        "trainer_class": f"{type(trainer).__module__}.{type(trainer).__qualname__}",
+        "trainer_class": _qualified(trainer),
+        # the optimizer that stepped (Accelerate wraps it): what a contender's optim setting made
+        "optimizer_class": _qualified(getattr(trainer.optimizer, "optimizer", trainer.optimizer)),
         "trainer_type": config.trainer_type,
         "patched": not plain and contender.trainer == FASTTRAIN,
         "fasttrain_disable": os.environ.get("FASTTRAIN_DISABLE") or None,
